@@ -1,0 +1,22 @@
+"""Multi-module pipeline parallelism for PyTorch Lightning.
+
+``Trainer(strategy=MultiModulePipelineStrategy(placements, topology, num_microbatches))``
+trains a LightningModule whose modules (vision / audio encoders, a language model, ...) each
+get their own ranks, pipeline depth and data-parallel size.
+"""
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
+from lightning_mmpp.reference import run_unpipelined
+from lightning_mmpp.strategy import MultiModulePipelineStrategy
+from lightning_mmpp.topology import ModuleTopology
+
+__all__ = [
+    "ModulePlacement",
+    "ModuleTopology",
+    "MultiModulePipelineStrategy",
+    "PipelineConfigError",
+    "PipelineLayout",
+    "StageSlot",
+    "run_unpipelined",
+]

@@ -1,0 +1,772 @@
+"""The strategy-owned communicator: activations forward, gradients backward, between stages and modules.
+
+:class:`MultiModuleCommunicator` moves payloads (pytrees of tensors, see
+:mod:`lightning_mmpp.payload`) along the edges a :class:`~lightning_mmpp.placement.PipelineLayout`
+defines: from one pipeline stage of a module to the next, and across the bridges between modules
+(the last stage of ``u`` to the first stage of ``d``), with fan-in (concatenate replicas along the
+batch dim) and fan-out (split along it). Everything goes through one primitive,
+:meth:`MultiModuleCommunicator.exchange`, which takes the messages this rank sends and receives
+in one step, identified by :class:`MessageKey` ``(direction, src_module, dst_module, microbatch)``.
+
+Wire protocol (per forward *channel* = (src rank, dst rank, src module, dst module)):
+
+* Both ends cache the last :class:`~lightning_mmpp.payload.PayloadSpec` of the channel. In the
+  steady state one message travels per (channel, microbatch): a packed ``uint8`` buffer (16-byte
+  header + leaves) whose size the receiver knows from its cache.
+* When the spec changes (or on first use) the sender sends, in consecutive *rounds*: a buffer
+  of the old size with header flag :data:`~lightning_mmpp.payload.FLAG_STALE` (only if an old
+  spec existed), an int64 length, the serialised spec, then the data buffer of the new size.
+* Backward messages never carry metadata: their layout is the gradient layout of the spec of
+  the same (key, peer) seen in forward, which both ends keep until that backward has run.
+
+Ordering and deadlock freedom: an exchange runs in rounds. In round ``r`` a rank posts, in one
+``batch_isend_irecv``, the ``r``-th part of each of its outgoing messages and the next expected
+part of each incoming message, each list sorted by a canonical key that both ends compute
+(direction, src module, dst module, microbatch, sender rank, receiver rank), then waits for
+its receives. All sends and receives of one round go into the same batch, so opposite directions
+cannot deadlock, and the per-rank-pair in-order matching of gloo and NCCL pairs the same messages
+on both ends. Steady state is one round; a metadata change adds up to three.
+
+Contract for callers (the schedule/runtime): for every pair of ranks and direction, the messages
+that one :meth:`exchange` call sends must be received by exactly one :meth:`exchange` call on the
+peer (the same set of messages between the two ranks), and exchanges must be issued in the same
+order on both ends. Every packed buffer carries a tag of its key, so a violation that keeps the
+sizes equal raises instead of silently mixing up data. With NCCL, run one collective on the group
+(e.g. a barrier) before the first exchange so that the first batched P2P call is not the group's
+first collective (see ``torch.distributed.batch_isend_irecv``).
+
+Send completion: the send works of an exchange are kept (with their buffers) and waited at the
+start of the next exchange or by :meth:`MultiModuleCommunicator.wait_sends`; receives are
+complete when :meth:`exchange` returns.
+
+Same-rank peers (colocated modules) move no bytes: the payload object is handed over with every
+tensor leaf detached (``requires_grad`` kept), and gradients are handed back as objects.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.payload import (
+    FLAG_DATA,
+    FLAG_STALE,
+    HEADER_BYTES,
+    BufferLayout,
+    PayloadSpec,
+    concat_payloads,
+    flatten_payload,
+    pack,
+    pack_header,
+    split_payload,
+    unpack,
+)
+from lightning_mmpp.placement import BridgePeer, PipelineLayout, StageSlot
+
+__all__ = ["BACKWARD", "FORWARD", "CommStats", "MessageKey", "MultiModuleCommunicator"]
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class MessageKey:
+    """One logical message of a microbatch.
+
+    Attributes:
+        direction: ``"forward"`` (activations, producer -> consumer) or ``"backward"``
+            (gradients, consumer -> producer).
+        src_module: the module that produces the forward activation.
+        dst_module: the module that consumes it; equal to ``src_module`` for a transfer between
+            two consecutive stages of one module.
+        microbatch: the microbatch index.
+    """
+
+    direction: str
+    src_module: str
+    dst_module: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.direction not in (FORWARD, BACKWARD):
+            raise ValueError(f"MessageKey.direction must be {FORWARD!r} or {BACKWARD!r}, got {self.direction!r}")
+
+    @property
+    def edge(self) -> tuple[str, str, int]:
+        """``(src_module, dst_module, microbatch)``: the key without its direction."""
+        return (self.src_module, self.dst_module, self.microbatch)
+
+    @property
+    def tag(self) -> int:
+        """A stable 32-bit tag written into the header of every packed buffer of this key."""
+        text = f"{self.direction}|{self.src_module}|{self.dst_module}|{self.microbatch}"
+        return zlib.crc32(text.encode())
+
+    def __str__(self) -> str:
+        arrow = "->" if self.direction == FORWARD else "<-"
+        return f"{self.direction} {self.src_module}{arrow}{self.dst_module} mb{self.microbatch}"
+
+
+@dataclass
+class CommStats:
+    """Counters of one communicator (see :meth:`MultiModuleCommunicator.reset_stats`).
+
+    ``messages_*`` / ``bytes_*`` count point-to-point transfers (metadata parts included);
+    ``metadata_exchanges`` counts spec transfers this rank took part in (sent or received);
+    ``local_handovers`` counts payloads or gradients handed to a same-rank peer without bytes;
+    ``rounds`` counts batched P2P calls.
+    """
+
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    metadata_exchanges: int = 0
+    local_handovers: int = 0
+    rounds: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# (src rank, dst rank, src module, dst module): a forward channel; its spec is cached at both ends.
+_Channel = tuple[int, int, str, str]
+
+
+def _order(key: MessageKey, sender: int, receiver: int) -> tuple[Any, ...]:
+    return (key.direction, key.src_module, key.dst_module, key.microbatch, sender, receiver)
+
+
+@dataclass
+class _PeerState:
+    """What one end remembers about one peer of a forward message until its backward ran."""
+
+    rank: int
+    chunk: int
+    spec: PayloadSpec
+
+
+@dataclass
+class _Outgoing:
+    order: tuple[Any, ...]
+    peer: int
+    parts: list[torch.Tensor]
+
+
+class _Incoming:
+    """A message from a remote peer, received part by part over one or more rounds."""
+
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...]) -> None:
+        self.key = key
+        self.peer = peer
+        self.order = order
+        self.buffer: Optional[torch.Tensor] = None
+        self.done = False
+
+    def next_buffer(self, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scalars(self) -> Optional[torch.Tensor]:
+        """The int64 values of the received buffer the state machine needs on the host."""
+        return None
+
+    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+        raise NotImplementedError
+
+    def check_tag(self, tag: int, comm: "MultiModuleCommunicator") -> None:
+        if tag != self.key.tag:
+            raise RuntimeError(
+                f"rank {comm.rank} expected '{self.key}' from rank {self.peer} but received a buffer with "
+                f"tag {tag} (expected {self.key.tag}): the two ranks issued their exchanges with different "
+                "messages or in a different order. Every exchange's messages between two ranks must be "
+                "matched by one exchange on the peer, in the same order."
+            )
+
+
+class _ForwardIncoming(_Incoming):
+    """Stages: ``data`` (cached spec) -> [flag stale] -> ``length`` -> ``spec`` -> ``new_data``."""
+
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], channel: _Channel,
+                 cached: Optional[PayloadSpec]) -> None:
+        super().__init__(key, peer, order)
+        self.channel = channel
+        self.spec = cached
+        self.stage = "data" if cached is not None else "length"
+        self.spec_len = 0
+
+    def next_buffer(self, device: torch.device) -> torch.Tensor:
+        if self.stage in ("data", "new_data"):
+            assert self.spec is not None
+            self.buffer = torch.empty(self.spec.data_layout.nbytes, dtype=torch.uint8, device=device)
+        elif self.stage == "length":
+            self.buffer = torch.empty(1, dtype=torch.int64, device=device)
+        else:
+            self.buffer = torch.empty(self.spec_len, dtype=torch.uint8, device=device)
+        return self.buffer
+
+    def scalars(self) -> Optional[torch.Tensor]:
+        assert self.buffer is not None
+        if self.stage in ("data", "new_data"):
+            return self.buffer[:HEADER_BYTES].view(torch.int64)
+        if self.stage == "length":
+            return self.buffer
+        return None
+
+    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+        assert self.buffer is not None
+        if self.stage in ("data", "new_data"):
+            flag, tag = values
+            self.check_tag(tag, comm)
+            if flag == FLAG_DATA:
+                self.done = True
+            elif flag == FLAG_STALE and self.stage == "data":
+                self.stage = "length"
+            else:
+                raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{self.key}' from rank {self.peer}")
+        elif self.stage == "length":
+            (self.spec_len,) = values
+            self.stage = "spec"
+        else:
+            data = bytes(self.buffer.cpu().tolist())
+            self.spec = PayloadSpec.from_bytes(data)
+            comm._recv_cache[self.channel] = self.spec
+            comm.stats.metadata_exchanges += 1
+            self.stage = "new_data"
+
+
+class _BackwardIncoming(_Incoming):
+    """A gradient buffer whose layout both ends derive from the forward spec."""
+
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], spec: PayloadSpec) -> None:
+        super().__init__(key, peer, order)
+        self.spec = spec
+        self.layout: BufferLayout = spec.grad_layout
+
+    def next_buffer(self, device: torch.device) -> torch.Tensor:
+        self.buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
+        return self.buffer
+
+    def scalars(self) -> Optional[torch.Tensor]:
+        assert self.buffer is not None
+        return self.buffer[:HEADER_BYTES].view(torch.int64)
+
+    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+        flag, tag = values
+        self.check_tag(tag, comm)
+        if flag != FLAG_DATA:
+            raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{self.key}' from rank {self.peer}")
+        self.done = True
+
+
+# One source of a received message: a ready object (local handover) or a remote message.
+_Source = Union[tuple[str, Any], tuple[str, _Incoming]]
+
+
+class MultiModuleCommunicator:
+    """Point-to-point transfers of pytree payloads between the stages and modules of a layout.
+
+    Args:
+        layout: the placement of every module on ranks.
+        rank: this process's global rank.
+        device: where receive and send buffers live (``cpu`` for gloo, the rank's CUDA device
+            for NCCL).
+        group: the process group for P2P (``None``: the default group). Peers are addressed by
+            global rank.
+    """
+
+    def __init__(self, layout: PipelineLayout, rank: int, device: torch.device,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        if not isinstance(layout, PipelineLayout):
+            raise TypeError(f"layout must be a PipelineLayout, got {type(layout).__name__}")
+        if not 0 <= rank < layout.world_size:
+            raise PipelineConfigError(
+                f"rank {rank} is outside the layout's {layout.world_size} ranks; launch with "
+                f"devices={layout.world_size} or change the placements."
+            )
+        if dist.is_available() and dist.is_initialized():
+            layout.check_world_size(dist.get_world_size(group))
+        self.layout = layout
+        self.rank = rank
+        self.device = torch.device(device)
+        self.group = group
+        self.stats = CommStats()
+        self._send_cache: dict[_Channel, PayloadSpec] = {}
+        self._recv_cache: dict[_Channel, PayloadSpec] = {}
+        # Forward state kept for the backward of the same microbatch, keyed by MessageKey.edge.
+        self._sent: dict[tuple[str, str, int], list[_PeerState]] = {}
+        self._received: dict[tuple[str, str, int], tuple[PayloadSpec, list[_PeerState]]] = {}
+        # Same-rank handovers waiting to be picked up (a same-rank peer is never a fan-in/out).
+        self._mailbox: dict[MessageKey, Any] = {}
+        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+
+    # --- public API ----------------------------------------------------------------------
+
+    def exchange(self, sends: Mapping[MessageKey, Any], recvs: Iterable[MessageKey]) -> dict[MessageKey, Any]:
+        """Send ``sends`` and receive ``recvs`` in one batched step; returns ``{key: payload}`` for ``recvs``.
+
+        * forward send ``(forward, u, d, k)``: the payload is the output of this rank's stage of
+          ``u``; it goes to the next stage of ``u`` (``u == d``) or to the first stage of ``d``
+          on every bridge peer (split along ``u``'s ``batch_dim`` on fan-out).
+        * forward recv ``(forward, u, d, k)``: the input of this rank's stage of ``d`` coming from
+          ``u`` (concatenated in replica order on fan-in). Leaves that required grad at the sender
+          are fresh leaf tensors with ``requires_grad=True``.
+        * backward send ``(backward, u, d, k)``: the gradient w.r.t. the payload received by
+          forward recv ``(forward, u, d, k)``, same structure (``None`` allowed anywhere: a
+          missing gradient of a leaf that required grad is sent as zeros).
+        * backward recv ``(backward, u, d, k)``: the gradient w.r.t. the payload sent by forward
+          send ``(forward, u, d, k)``: tensors where the leaf required grad, ``None`` elsewhere.
+        """
+        self.wait_sends()
+        # Planning validates every payload and may raise; it must then leave no trace, so that
+        # an error surfaces before any message is posted and with the caches still consistent.
+        saved = (dict(self._send_cache), dict(self._sent), dict(self._received), dict(self._mailbox),
+                 replace(self.stats))
+        outgoing: list[_Outgoing] = []
+        pending: list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]] = []
+        incoming: list[_Incoming] = []
+        try:
+            for key, payload in sends.items():
+                if key.direction == FORWARD:
+                    self._plan_forward_send(key, payload, outgoing)
+                else:
+                    self._plan_backward_send(key, payload, outgoing)
+            for key in recvs:
+                sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
+                pending.append((key, sources))
+                incoming.extend(src for _, (kind, src) in sources if kind == "remote")
+        except BaseException:
+            self._send_cache, self._sent, self._received, self._mailbox, self.stats = saved
+            raise
+        self._run_rounds(outgoing, incoming)
+        results: dict[MessageKey, Any] = {}
+        for key, sources in pending:
+            if key.direction == FORWARD:
+                results[key] = self._finish_forward_recv(key, sources)
+            else:
+                results[key] = self._finish_backward_recv(key, sources)
+        return results
+
+    def wait_sends(self) -> None:
+        """Wait for the send works still in flight from the previous exchange and free their buffers."""
+        pending, self._pending_sends = self._pending_sends, []
+        for work, _buffer in pending:
+            work.wait()
+
+    def send_forward(self, outputs: Mapping[str, Any], microbatch: int) -> None:
+        """Send the output of this rank's stage of each module in ``outputs`` to all its consumers."""
+        self.exchange(self._forward_send_keys(outputs, microbatch), ())
+
+    def recv_forward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
+        """Receive the inputs of this rank's stage of each module: ``{dst_module: {src_module: payload}}``."""
+        keys = self._forward_recv_keys(modules, microbatch)
+        return self._by_dst(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
+
+    def send_backward(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> None:
+        """Send input gradients ``{dst_module: {src_module: grad}}`` back to their producers."""
+        self.exchange(self._backward_send_keys(grads, microbatch), ())
+
+    def recv_backward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
+        """Receive output gradients of this rank's stage of each module: ``{src_module: {dst_module: grad}}``."""
+        keys = self._backward_recv_keys(modules, microbatch)
+        return self._by_src(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
+
+    def send_forward_recv_backward(
+        self,
+        outputs: Mapping[str, Any],
+        microbatch: int,
+        grad_modules: Optional[Iterable[str]] = None,
+        grad_microbatch: Optional[int] = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Send outputs of ``microbatch`` and receive output gradients of ``grad_microbatch`` in one exchange.
+
+        ``grad_modules`` defaults to the modules of ``outputs``, ``grad_microbatch`` to ``microbatch``.
+        Returns ``{src_module: {dst_module: grad}}``.
+        """
+        modules = list(outputs) if grad_modules is None else list(grad_modules)
+        keys = self._backward_recv_keys(modules, microbatch if grad_microbatch is None else grad_microbatch)
+        received = self.exchange(self._forward_send_keys(outputs, microbatch), [k for ks in keys.values() for k in ks])
+        return self._by_src(keys, received)
+
+    def send_backward_recv_forward(
+        self,
+        grads: Mapping[str, Mapping[str, Any]],
+        microbatch: int,
+        input_modules: Optional[Iterable[str]] = None,
+        input_microbatch: Optional[int] = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Send input gradients of ``microbatch`` and receive inputs of ``input_microbatch`` in one exchange.
+
+        ``input_modules`` defaults to the modules of ``grads``, ``input_microbatch`` to ``microbatch``.
+        Returns ``{dst_module: {src_module: payload}}``.
+        """
+        modules = list(grads) if input_modules is None else list(input_modules)
+        keys = self._forward_recv_keys(modules, microbatch if input_microbatch is None else input_microbatch)
+        received = self.exchange(self._backward_send_keys(grads, microbatch), [k for ks in keys.values() for k in ks])
+        return self._by_dst(keys, received)
+
+    def reset_stats(self) -> None:
+        """Zero the counters in :attr:`stats`."""
+        self.stats = CommStats()
+
+    def pending_backward(self) -> int:
+        """Number of forward messages whose backward has not been exchanged yet (sent + received)."""
+        return len(self._sent) + len(self._received)
+
+    def discard_backward_state(self) -> None:
+        """Forget the forward specs kept for backward (e.g. after a forward-only validation step)."""
+        self._sent.clear()
+        self._received.clear()
+        self._mailbox = {k: v for k, v in self._mailbox.items() if k.direction == FORWARD}
+
+    # --- key derivation for the convenience methods ------------------------------------
+
+    def _slot(self, module: str) -> StageSlot:
+        if module not in self.layout.placements:
+            raise PipelineConfigError(f"unknown module {module!r}; the layout has {list(self.layout.placements)}.")
+        slot = self.layout.slot(self.rank, module)
+        if slot is None:
+            ranks = self.layout.module_ranks(module)
+            raise ValueError(
+                f"rank {self.rank} holds no stage of module {module!r} (ranks {ranks.start}-{ranks.stop - 1}); "
+                "only exchange messages of modules this rank runs."
+            )
+        return slot
+
+    @staticmethod
+    def _distinct(pairs: Iterable[tuple[str, BridgePeer]]) -> list[str]:
+        modules: list[str] = []
+        for module, _ in pairs:
+            if module not in modules:
+                modules.append(module)
+        return modules
+
+    def _forward_send_keys(self, outputs: Mapping[str, Any], microbatch: int) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for module, payload in outputs.items():
+            for dst in self._distinct(self.layout.forward_targets(self._slot(module))):
+                sends[MessageKey(FORWARD, module, dst, microbatch)] = payload
+        return sends
+
+    def _forward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
+        return {
+            module: [
+                MessageKey(FORWARD, src, module, microbatch)
+                for src in self._distinct(self.layout.forward_sources(self._slot(module)))
+            ]
+            for module in modules
+        }
+
+    def _backward_send_keys(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for dst, per_src in grads.items():
+            self._slot(dst)
+            for src, grad in per_src.items():
+                sends[MessageKey(BACKWARD, src, dst, microbatch)] = grad
+        return sends
+
+    def _backward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
+        return {
+            module: [
+                MessageKey(BACKWARD, module, dst, microbatch)
+                for dst in self._distinct(self.layout.forward_targets(self._slot(module)))
+            ]
+            for module in modules
+        }
+
+    @staticmethod
+    def _by_dst(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
+        return {module: {k.src_module: received[k] for k in ks} for module, ks in keys.items()}
+
+    @staticmethod
+    def _by_src(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
+        return {module: {k.dst_module: received[k] for k in ks} for module, ks in keys.items()}
+
+    # --- planning: who talks to whom -----------------------------------------------------
+
+    def _targets(self, key: MessageKey) -> tuple[StageSlot, list[BridgePeer]]:
+        """This rank's slot of ``key.src_module`` and the peers its output goes to for ``key``."""
+        slot = self._slot(key.src_module)
+        peers = [peer for module, peer in self.layout.forward_targets(slot) if module == key.dst_module]
+        if not peers:
+            raise ValueError(
+                f"'{key}': the output of rank {self.rank}'s stage {slot.stage} of {key.src_module!r} does not go "
+                f"to {key.dst_module!r}; its consumers are "
+                f"{self._distinct(self.layout.forward_targets(slot)) or 'none (last stage of a sink)'}."
+            )
+        return slot, sorted(peers, key=lambda p: p.chunk)
+
+    def _sources(self, key: MessageKey) -> tuple[StageSlot, list[BridgePeer]]:
+        """This rank's slot of ``key.dst_module`` and the peers its input from ``key.src_module`` comes from."""
+        slot = self._slot(key.dst_module)
+        peers = [peer for module, peer in self.layout.forward_sources(slot) if module == key.src_module]
+        if not peers:
+            raise ValueError(
+                f"'{key}': the input of rank {self.rank}'s stage {slot.stage} of {key.dst_module!r} does not come "
+                f"from {key.src_module!r}; its producers are "
+                f"{self._distinct(self.layout.forward_sources(slot)) or 'none (first stage of a source)'}."
+            )
+        return slot, sorted(peers, key=lambda p: p.chunk)
+
+    def _bridge_context(self, key: MessageKey, kind: str) -> str:
+        du = self.layout.placements[key.src_module].dp
+        dd = self.layout.placements[key.dst_module].dp
+        return f"for {kind} from {key.src_module!r} (dp={du}) to {key.dst_module!r} (dp={dd})"
+
+    def _batch_dim(self, key: MessageKey) -> int:
+        return self.layout.placements[key.src_module].batch_dim
+
+    def _plan_forward_send(self, key: MessageKey, payload: Any, outgoing: list[_Outgoing]) -> None:
+        slot, peers = self._targets(key)
+        where = f"module {key.src_module!r} stage {slot.stage} output (to {key.dst_module!r})"
+        flat = flatten_payload(payload, where)  # validates every leaf, naming module, stage and path
+        # Fan-out: several receivers, each taking its chunk. (On fan-in the single receiver's
+        # BridgePeer also has num_chunks > 1: our position in its concatenation; no split.)
+        chunks: list[Any] = []
+        if len(peers) > 1:
+            chunks = split_payload(payload, len(peers), self._batch_dim(key), self._bridge_context(key, "fan-out"))
+        states: list[_PeerState] = []
+        for peer in peers:
+            leaves, spec = flatten_payload(chunks[peer.chunk], where) if chunks else flat
+            states.append(_PeerState(peer.rank, peer.chunk, spec))
+            if peer.rank == self.rank:
+                handed = spec.unflatten([None if t is None else t.detach().requires_grad_(t.requires_grad) for t in leaves])
+                self._mailbox[key] = handed
+                self.stats.local_handovers += 1
+                continue
+            tensors = [leaves[i] for i in spec.data_layout.indices]
+            parts: list[torch.Tensor] = []
+            channel = (self.rank, peer.rank, key.src_module, key.dst_module)
+            cached = self._send_cache.get(channel)
+            if cached != spec:
+                if cached is not None:
+                    parts.append(pack_header(cached.data_layout.nbytes, self.device, FLAG_STALE, key.tag))
+                blob = spec.to_bytes()
+                parts.append(torch.tensor([len(blob)], dtype=torch.int64, device=self.device))
+                parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
+                self._send_cache[channel] = spec
+                self.stats.metadata_exchanges += 1
+            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, key.tag))
+            outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
+        self._sent[key.edge] = states
+
+    def _plan_backward_send(self, key: MessageKey, grads: Any, outgoing: list[_Outgoing]) -> None:
+        slot, peers = self._sources(key)
+        state = self._received.pop(key.edge, None)
+        if state is None:
+            raise RuntimeError(
+                f"rank {self.rank}: backward send '{key}' without a forward recv of the same microbatch "
+                "(or its backward was already sent)."
+            )
+        combined, peer_states = state
+        where = f"gradient of module {key.dst_module!r} stage {slot.stage} input from {key.src_module!r}"
+        if grads is None:
+            grad_leaves: list[Any] = [None] * combined.num_leaves
+        else:
+            grad_leaves, grad_spec = flatten_payload(grads, where)
+            if grad_spec.treespec != combined.treespec:
+                raise ValueError(
+                    f"{where}: the gradient's structure {grad_spec.describe()} differs from the structure of the "
+                    f"received input {combined.describe()}; give the gradient in the same pytree (None for "
+                    "leaves without a gradient)."
+                )
+        full: list[Optional[torch.Tensor]] = []
+        for index, meta in enumerate(combined.leaves):
+            grad = grad_leaves[index]
+            if meta is None or not meta.requires_grad:
+                full.append(None)
+            elif grad is None:
+                full.append(torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
+            elif tuple(grad.shape) != meta.shape:
+                raise ValueError(
+                    f"{where}: the gradient of leaf {index} has shape {list(grad.shape)} but the input had "
+                    f"{list(meta.shape)}."
+                )
+            else:
+                full.append(grad.detach().to(meta.dtype))
+        dim = self._batch_dim(key)
+        start = 0
+        for peer_state in peer_states:
+            spec = peer_state.spec
+            if len(peer_states) == 1:
+                chunk = full
+            else:  # fan-in: cut the gradient back into the replicas' pieces, in chunk order
+                size = next((meta.shape[dim] for meta in spec.leaves if meta is not None and meta.shape), 0)
+                chunk = [None if grad is None else grad.narrow(dim, start, size) for grad in full]
+                start += size
+            if not spec.requires_grad:
+                continue  # the peer's forward had no leaf requiring grad: it expects nothing
+            chunk = [g if (meta is not None and meta.requires_grad) else None for g, meta in zip(chunk, spec.leaves)]
+            if peer_state.rank == self.rank:
+                self._mailbox[key] = spec.unflatten(chunk)
+                self.stats.local_handovers += 1
+                continue
+            buffer = pack([chunk[i] for i in spec.grad_layout.indices], spec.grad_layout, self.device, FLAG_DATA, key.tag)
+            outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [buffer]))
+
+    def _take_local(self, key: MessageKey) -> Any:
+        try:
+            return self._mailbox.pop(key)
+        except KeyError:
+            raise RuntimeError(
+                f"rank {self.rank}: '{key}' comes from this same rank (colocated modules) but was not sent yet; "
+                "send it in this exchange or an earlier one."
+            ) from None
+
+    def _plan_forward_recv(self, key: MessageKey) -> list[tuple[BridgePeer, _Source]]:
+        _, peers = self._sources(key)
+        sources: list[tuple[BridgePeer, _Source]] = []
+        for peer in peers:
+            if peer.rank == self.rank:
+                sources.append((peer, ("local", self._take_local(key))))
+                continue
+            channel = (peer.rank, self.rank, key.src_module, key.dst_module)
+            msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), channel,
+                                   self._recv_cache.get(channel))
+            sources.append((peer, ("remote", msg)))
+        return sources
+
+    def _plan_backward_recv(self, key: MessageKey) -> list[tuple[BridgePeer, _Source]]:
+        _, peers = self._targets(key)
+        states = self._sent.pop(key.edge, None)
+        if states is None:
+            raise RuntimeError(
+                f"rank {self.rank}: backward recv '{key}' without a forward send of the same microbatch "
+                "(or its backward was already received)."
+            )
+        sources: list[tuple[BridgePeer, _Source]] = []
+        for peer, state in zip(peers, states):
+            if not state.spec.requires_grad:
+                sources.append((peer, ("local", state.spec.unflatten([None] * state.spec.num_leaves))))
+            elif peer.rank == self.rank:
+                sources.append((peer, ("local", self._take_local(key))))
+            else:
+                msg = _BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), state.spec)
+                sources.append((peer, ("remote", msg)))
+        return sources
+
+    # --- the rounds --------------------------------------------------------------------
+
+    def _run_rounds(self, outgoing: list[_Outgoing], incoming: list[_Incoming]) -> None:
+        outgoing = sorted(outgoing, key=lambda m: m.order)
+        incoming = sorted(incoming, key=lambda m: m.order)
+        round_index = 0
+        while True:
+            sends = [m for m in outgoing if round_index < len(m.parts)]
+            recvs = [m for m in incoming if not m.done]
+            if not sends and not recvs:
+                return
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"rank {self.rank} must exchange messages with other ranks but torch.distributed is not "
+                    "initialised; initialise the process group before the first exchange."
+                )
+            ops: list[dist.P2POp] = []
+            for msg in sends:
+                buffer = msg.parts[round_index]
+                ops.append(dist.P2POp(dist.isend, buffer, msg.peer, self.group))
+                self.stats.messages_sent += 1
+                self.stats.bytes_sent += buffer.numel() * buffer.element_size()
+            buffers = []
+            for msg in recvs:
+                buffer = msg.next_buffer(self.device)
+                buffers.append(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer, msg.peer, self.group))
+                self.stats.messages_received += 1
+                self.stats.bytes_received += buffer.numel() * buffer.element_size()
+            works = dist.batch_isend_irecv(ops)
+            self.stats.rounds += 1
+            if len(works) == len(ops):  # one work per op (gloo): keep the sends in flight
+                for work in works[len(sends):]:
+                    work.wait()
+                self._pending_sends.extend(
+                    (work, msg.parts[round_index]) for work, msg in zip(works[: len(sends)], sends)
+                )
+            else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
+                for work in works:
+                    work.wait()
+            self._advance(recvs)
+            round_index += 1
+
+    def _advance(self, recvs: Sequence[_Incoming]) -> None:
+        views = [m.scalars() for m in recvs]
+        present = [v for v in views if v is not None]
+        flat: list[int] = torch.cat(present).tolist() if present else []  # one host sync for all headers
+        cursor = 0
+        for msg, view in zip(recvs, views):
+            values: list[int] = []
+            if view is not None:
+                values = flat[cursor : cursor + view.numel()]
+                cursor += view.numel()
+            msg.advance(values, self)
+
+    # --- assembling received payloads --------------------------------------------------------
+
+    def _finish_forward_recv(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]]) -> Any:
+        where = f"'{key}' on rank {self.rank}"
+        chunks: list[list[Optional[torch.Tensor]]] = []
+        states: list[_PeerState] = []
+        for peer, (kind, src) in sources:
+            if kind == "local":
+                leaves, spec = flatten_payload(src, where)
+            else:
+                assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
+                spec = src.spec
+                leaves = [None] * spec.num_leaves
+                for index, tensor in zip(spec.data_layout.indices, unpack(src.buffer, spec.data_layout)):
+                    leaves[index] = tensor
+            chunks.append(leaves)
+            states.append(_PeerState(peer.rank, peer.chunk, spec))
+        if len(chunks) == 1:
+            spec = states[0].spec
+            if sources[0][1][0] == "local":
+                payload = sources[0][1][1]  # already detached, requires_grad kept, at send time
+            else:
+                payload = spec.unflatten([
+                    None if t is None else t.detach().requires_grad_(meta is not None and meta.requires_grad)
+                    for t, meta in zip(chunks[0], spec.leaves)
+                ])
+            self._received[key.edge] = (spec, states)
+            return payload
+        slot = self._slot(key.dst_module)
+        context = (
+            f"{self._bridge_context(key, 'fan-in')}: replicas on ranks {[s.rank for s in states]} into replica "
+            f"{slot.replica} (microbatch {key.microbatch})"
+        )
+        joined = concat_payloads(
+            [s.spec.unflatten([None if t is None else t.detach() for t in leaves]) for s, leaves in zip(states, chunks)],
+            self._batch_dim(key),
+            context,
+        )
+        leaves, combined = flatten_payload(joined, where)
+        wants = [any(_needs_grad(s.spec, i) for s in states) for i in range(combined.num_leaves)]
+        payload = combined.unflatten([None if t is None else t.requires_grad_(w) for t, w in zip(leaves, wants)])
+        _, combined = flatten_payload(payload, where)
+        self._received[key.edge] = (combined, states)
+        return payload
+
+    def _finish_backward_recv(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]]) -> Any:
+        grads: list[Any] = []
+        for _peer, (kind, src) in sources:
+            if kind == "local":
+                grads.append(src)
+                continue
+            assert isinstance(src, _BackwardIncoming) and src.buffer is not None
+            spec = src.spec
+            leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
+            for index, tensor in zip(spec.grad_layout.indices, unpack(src.buffer, src.layout)):
+                leaves[index] = tensor
+            grads.append(spec.unflatten(leaves))
+        if len(grads) == 1:
+            return grads[0]
+        return concat_payloads(grads, self._batch_dim(key), self._bridge_context(key, "fan-out gradients"))
+
+
+def _needs_grad(spec: PayloadSpec, index: int) -> bool:
+    meta = spec.leaves[index]
+    return meta is not None and meta.requires_grad

@@ -1,0 +1,158 @@
+"""Split each module's layers into pipeline stages and keep only what a rank owns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import PipelineLayout
+
+
+def balanced_split(weights: Sequence[int], parts: int) -> list[range]:
+    """Split ``weights`` into ``parts`` contiguous non-empty ranges minimising the heaviest range.
+
+    Ties go to the split that puts earlier boundaries as late as possible, so the result is
+    deterministic (every rank computes the same split).
+    """
+    n = len(weights)
+    if parts > n:
+        raise ValueError(f"cannot split {n} layers into {parts} stages")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[p][i]: minimal max-part weight splitting the first i layers into p parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for p in range(1, parts + 1):
+        for i in range(p, n + 1):
+            for j in range(p - 1, i):
+                cost = max(best[p - 1][j], prefix[i] - prefix[j])
+                if cost <= best[p][i]:
+                    best[p][i], cut[p][i] = cost, j
+    bounds = [n]
+    for p in range(parts, 0, -1):
+        bounds.append(cut[p][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def stage_ranges(layers: Sequence[nn.Module], pp: int, split_points: Sequence[int] | None, module: str) -> list[range]:
+    """Layer index ranges of the ``pp`` stages of ``module``."""
+    n = len(layers)
+    if n < pp:
+        raise PipelineConfigError(
+            f"module {module!r} has {n} layer(s) but pp={pp}; give it at least {pp} layers or lower pp."
+        )
+    if split_points is not None:
+        if split_points[-1:] and split_points[-1] >= n:
+            raise PipelineConfigError(
+                f"module {module!r}: split_points {list(split_points)} must be < its {n} layers."
+            )
+        bounds = [0, *split_points, n]
+        return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+    weights = [max(1, sum(p.numel() for p in layer.parameters())) for layer in layers]
+    return balanced_split(weights, pp)
+
+
+class StageRunner:
+    """The layers of one (module, stage) a rank owns; calling it applies them in order.
+
+    The output of layer i is the single argument of layer i+1, any pytree of tensors.
+    """
+
+    def __init__(self, module: str, stage: int, layers: Sequence[nn.Module], layer_names: Sequence[str]) -> None:
+        self.module = module
+        self.stage = stage
+        self.layers = list(layers)
+        self.layer_names = list(layer_names)
+
+    def __call__(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers for p in layer.parameters()]
+
+    def __repr__(self) -> str:
+        return f"StageRunner({self.module!r}, stage={self.stage}, layers={self.layer_names})"
+
+
+@dataclass
+class Partition:
+    """What a rank keeps: one runner per module it holds, and the ids of its parameters."""
+
+    runners: dict[str, StageRunner]
+    owned_parameter_ids: set[int]
+
+
+def _layer_container(model: nn.Module, module: str) -> nn.Module:
+    container = getattr(model, module, None)
+    if not isinstance(container, (nn.Sequential, nn.ModuleList)):
+        found = type(container).__name__ if container is not None else "nothing"
+        raise PipelineConfigError(
+            f"{type(model).__name__}.{module} is {found}; the placement {module!r} needs an attribute "
+            f"`self.{module}` that is an nn.Sequential or nn.ModuleList of the layers to split into stages."
+        )
+    return container
+
+
+def check_model(model: nn.Module, layout: PipelineLayout) -> None:
+    """Raise if the model lacks a module's layers or has parameters outside every module."""
+    inside: set[int] = set()
+    for module in layout.modules:
+        container = _layer_container(model, module)
+        inside.update(id(p) for p in container.parameters())
+        stage_ranges(list(container), layout.placements[module].pp, layout.placements[module].split_points, module)
+    outside = [name for name, p in model.named_parameters() if id(p) not in inside]
+    if outside:
+        raise PipelineConfigError(
+            f"parameters {outside[:5]} are not inside any pipelined module ({list(layout.modules)}); every "
+            "parameter must belong to one module's layers. Move them into a layer of one module (or register "
+            "constants as buffers)."
+        )
+    for hook in ("pipeline_inputs", "pipeline_loss"):
+        if not callable(getattr(model, hook, None)):
+            raise PipelineConfigError(
+                f"{type(model).__name__} has no `{hook}` method; the pipeline needs "
+                "`pipeline_inputs(self, module, batch, upstream)` and `pipeline_loss(self, output, batch)`."
+            )
+
+
+def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Partition:
+    """Keep only the layers ``rank`` owns, in place, under their original names."""
+    check_model(model, layout)
+    runners: dict[str, StageRunner] = {}
+    owned: set[int] = set()
+    stage_of_param: dict[int, tuple[str, int]] = {}
+    for module in layout.modules:
+        container = _layer_container(model, module)
+        names = list(container._modules)
+        layers = [container._modules[n] for n in names]
+        placement = layout.placements[module]
+        ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
+        for stage, span in enumerate(ranges):
+            for i in span:
+                for p in layers[i].parameters():
+                    other = stage_of_param.setdefault(id(p), (module, stage))
+                    if other != (module, stage):
+                        raise PipelineConfigError(
+                            f"a parameter of {module}.{names[i]} is shared with {other[0]} stage {other[1]}; "
+                            "parameters shared across stages or modules (weight tying) are not supported."
+                        )
+        slot = layout.slot(rank, module)
+        keep = ranges[slot.stage] if slot is not None else range(0)
+        for i, name in enumerate(names):
+            if i not in keep:
+                del container._modules[name]
+        if slot is not None:
+            runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep])
+            runners[module] = runner
+            owned.update(id(p) for p in runner.parameters())
+    return Partition(runners=runners, owned_parameter_ids=owned)

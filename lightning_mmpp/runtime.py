@@ -1,0 +1,255 @@
+"""Execute one rank's action list: stage forwards and backwards, with the communicator.
+
+Loss scaling. The loss of a step is the mean over microbatches and over the replicas of each
+sink module (summed over sinks). Each sink replica backpropagates ``loss / (M * dp_sink)``,
+gradients cross the bridges unscaled (split and concatenation are exact), and every module's
+data-parallel group then *sums* its gradients: the result is exactly the gradient of the
+global mean loss, for any fan-in or fan-out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_mmpp.comm import MessageKey
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.partition import StageRunner
+from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.schedule import BACKWARD, FORWARD, Compute, Exchange, Schedule, Transfer
+
+
+class PipelineHooks(Protocol):
+    """What the runtime needs from the user's model (a LightningModule provides these)."""
+
+    def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any: ...
+
+    def pipeline_loss(self, output: Any, batch: Any) -> Tensor | dict[str, Tensor]: ...
+
+
+class Communicator(Protocol):
+    def exchange(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> dict[MessageKey, Any]: ...
+
+
+@dataclass
+class StepResult:
+    """What one rank computed in a step.
+
+    ``metric_sums`` holds this rank's share of every metric (already divided by the number of
+    microbatches and sink replicas), so a sum over all ranks gives the step's value.
+    ``sink_outputs`` holds the sink stage outputs per microbatch (kept only when asked).
+    """
+
+    metric_sums: dict[str, Tensor] = field(default_factory=dict)
+    sink_outputs: dict[int, Any] = field(default_factory=dict)
+    peak_stashed: int = 0
+
+
+def _loss_and_metrics(result: Any, module: str) -> tuple[Tensor, dict[str, Tensor]]:
+    if isinstance(result, Tensor):
+        loss, extra = result, {}
+    elif isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+        loss = result["loss"]
+        extra = {k: v for k, v in result.items() if k != "loss"}
+    else:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned {type(result).__name__}; return a scalar tensor or a "
+            "dict with a scalar tensor under 'loss' (and further scalar metrics)."
+        )
+    if loss.numel() != 1:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
+        )
+    metrics: dict[str, Tensor] = {}
+    for name, value in extra.items():
+        value = torch.as_tensor(value)
+        if value.numel() != 1:
+            raise PipelineConfigError(
+                f"pipeline_loss metric {name!r} of sink {module!r} has shape {tuple(value.shape)}; metrics must be "
+                "scalars."
+            )
+        metrics[str(name)] = value
+    return loss.reshape(()), metrics
+
+
+def _grad_payload(payload: Any) -> Any:
+    """The gradients accumulated on the leaves of a received payload (None where there is none)."""
+    return tree_map(lambda x: x.grad if isinstance(x, Tensor) else None, payload)
+
+
+def _add_payloads(a: Any, b: Any) -> Any:
+    la, spec = tree_flatten(a)
+    lb, _ = tree_flatten(b)
+    out = [x if y is None else y if x is None else x + y for x, y in zip(la, lb)]
+    return spec.unflatten(out)
+
+
+class PipelineRuntime:
+    """Runs the actions of ``rank`` for one step.
+
+    Args:
+        layout: the placement.
+        rank: this process's global rank.
+        comm: the communicator (anything with ``exchange``).
+        runners: the stage this rank holds of each module.
+        hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
+    """
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        rank: int,
+        comm: Communicator,
+        runners: Mapping[str, StageRunner],
+        hooks: PipelineHooks,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.comm = comm
+        self.runners = dict(runners)
+        self.hooks = hooks
+        self.sinks = set(layout.topology.sinks)
+
+    def run(
+        self,
+        schedule: Schedule,
+        shard: Callable[[str, int], Any],
+        keep_sink_outputs: bool = False,
+    ) -> StepResult:
+        """Execute ``schedule`` for this rank.
+
+        Args:
+            shard: ``shard(module, k)`` -> the slice of microbatch ``k`` this rank's replica of
+                ``module`` processes.
+            keep_sink_outputs: keep the sink stage outputs (for predict).
+        """
+        m = schedule.num_microbatches
+        training = not schedule.forward_only
+        received: dict[tuple[str, int], dict[str, Any]] = {}   # (dst module, k) -> {src module: payload}
+        outputs: dict[tuple[str, int], Any] = {}                # (module, k) -> stage output
+        losses: dict[tuple[str, int], Tensor] = {}              # (sink module, k) -> scaled loss
+        out_grads: dict[tuple[str, int], dict[str, Any]] = {}   # (module, k) -> {consumer: grad}
+        in_grads: dict[tuple[str, int], dict[str, Any]] = {}    # (module, k) -> {producer: grad}
+        result = StepResult()
+        stashed = 0
+
+        for action in schedule.for_rank(self.rank):
+            if isinstance(action, Exchange):
+                sends = self._collect_sends(action.sends, outputs, in_grads, training)
+                recv_keys = list(dict.fromkeys(_key(t) for t in action.recvs))
+                got = self.comm.exchange(sends, recv_keys)
+                for key, payload in got.items():
+                    if key.direction == FORWARD:
+                        received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
+                    else:
+                        out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+                continue
+            assert isinstance(action, Compute)
+            module, k = action.module, action.microbatch
+            runner = self.runners[module]
+            last = self.layout.is_last_stage(self.layout.slot(self.rank, module))
+            if action.phase == FORWARD:
+                inputs = received.get((module, k), {})
+                if runner.stage == 0:
+                    upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
+                    x = self.hooks.pipeline_inputs(module, shard(module, k), upstream)
+                else:
+                    x = inputs[module]
+                out = runner(x)
+                if last and module in self.sinks:
+                    loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, shard(module, k)), module)
+                    scale = 1.0 / (m * self.layout.placements[module].dp)
+                    if training:
+                        losses[(module, k)] = loss * scale
+                    self._accumulate(result, module, loss, metrics, scale)
+                    if keep_sink_outputs:
+                        result.sink_outputs.setdefault(k, {})[module] = out
+                if training:
+                    outputs[(module, k)] = out
+                    stashed += 1
+                    result.peak_stashed = max(result.peak_stashed, stashed)
+                elif not (last and module in self.sinks):
+                    outputs[(module, k)] = out  # freed once sent
+                    received.pop((module, k), None)
+                else:
+                    received.pop((module, k), None)
+            else:
+                self._backward(module, k, last, outputs, losses, out_grads)
+                inputs = received.pop((module, k), {})
+                in_grads[(module, k)] = {src: _grad_payload(p) for src, p in inputs.items()}
+                outputs.pop((module, k), None)
+                stashed -= 1
+        assert not received and not out_grads and not losses, "stash not drained"
+        return result
+
+    def _collect_sends(
+        self,
+        transfers: Sequence[Transfer],
+        outputs: dict[tuple[str, int], Any],
+        in_grads: dict[tuple[str, int], dict[str, Any]],
+        training: bool,
+    ) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for t in transfers:
+            key = _key(t)
+            if key in sends:
+                continue
+            if t.direction == FORWARD:
+                sends[key] = outputs[(t.src_module, t.microbatch)]
+            else:
+                sends[key] = in_grads[(t.dst_module, t.microbatch)][t.src_module]
+        if not training:  # forward-only: an output is dropped once every consumer has been sent it
+            for key in sends:
+                outputs.pop((key.src_module, key.microbatch), None)
+        for key in [k for k in in_grads]:
+            pending = in_grads[key]
+            for t in transfers:
+                if t.direction == BACKWARD and (t.dst_module, t.microbatch) == key:
+                    pending.pop(t.src_module, None)
+            if not pending:
+                del in_grads[key]
+        return sends
+
+    def _backward(
+        self,
+        module: str,
+        k: int,
+        last: bool,
+        outputs: dict[tuple[str, int], Any],
+        losses: dict[tuple[str, int], Tensor],
+        out_grads: dict[tuple[str, int], dict[str, Any]],
+    ) -> None:
+        if last and module in self.sinks:
+            loss = losses.pop((module, k))
+            if loss.requires_grad:
+                torch.autograd.backward(loss)
+            return
+        grads_by_consumer = out_grads.pop((module, k), {})
+        grad: Optional[Any] = None
+        for g in grads_by_consumer.values():
+            grad = g if grad is None else _add_payloads(grad, g)
+        out_leaves, _ = tree_flatten(outputs[(module, k)])
+        grad_leaves, _ = tree_flatten(grad) if grad is not None else ([None] * len(out_leaves), None)
+        tensors, grad_tensors = [], []
+        for out, g in zip(out_leaves, grad_leaves):
+            if isinstance(out, Tensor) and out.requires_grad and g is not None:
+                tensors.append(out)
+                grad_tensors.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+
+    def _accumulate(self, result: StepResult, module: str, loss: Tensor, metrics: dict[str, Tensor], scale: float) -> None:
+        prefix = "" if len(self.sinks) == 1 else f"{module}_"
+        values = {"loss": loss, **{f"{prefix}{n}": v for n, v in metrics.items()}}
+        for name, value in values.items():
+            share = value.detach().float() * scale
+            result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
+
+
+def _key(t: Transfer) -> MessageKey:
+    return MessageKey(t.direction, t.src_module, t.dst_module, t.microbatch)

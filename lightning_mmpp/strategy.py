@@ -1,0 +1,453 @@
+"""``MultiModulePipelineStrategy``: multi-module pipeline parallelism as a Lightning strategy."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from lightning_mmpp.comm import MultiModuleCommunicator
+from lightning_mmpp.data_parallel import sum_gradients
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.loops import install_pipeline_optimization
+from lightning_mmpp.partition import Partition, partition_model
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.runtime import PipelineRuntime, StepResult
+from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.topology import ModuleTopology
+
+log = logging.getLogger(__name__)
+
+
+def split_microbatches(batch: Any, num_microbatches: int, divisor: int) -> list[Any]:
+    """Split every tensor leaf of ``batch`` along dim 0 into ``num_microbatches`` equal parts.
+
+    Non-tensor leaves are handed unchanged to every microbatch.
+    """
+    leaves, spec = tree_flatten(batch)
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    if not sizes:
+        raise PipelineConfigError("the batch holds no tensor with a batch dimension; the pipeline splits dim 0.")
+    if len(sizes) > 1:
+        raise PipelineConfigError(f"the batch's tensors disagree on dim 0 (sizes {sorted(sizes)}); they must agree.")
+    size = sizes.pop()
+    unit = num_microbatches * divisor
+    if size % unit:
+        raise PipelineConfigError(
+            f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches} microbatches "
+            f"divisible by every dp size (lcm {divisor}); use a batch size that is a multiple of {unit} "
+            "(drop_last=True in the DataLoader avoids a short last batch)."
+        )
+    per = size // num_microbatches
+    out = []
+    for k in range(num_microbatches):
+        part = [leaf[k * per:(k + 1) * per] if isinstance(leaf, Tensor) and leaf.dim() > 0 else leaf for leaf in leaves]
+        out.append(spec.unflatten(part))
+    return out
+
+
+def slice_batch(batch: Any, index: slice) -> Any:
+    leaves, spec = tree_flatten(batch)
+    return spec.unflatten([x[index] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves])
+
+
+class MultiModulePipelineStrategy(ParallelStrategy):
+    """Train a multi-module LightningModule with multi-module pipeline parallelism.
+
+    Each module (an ``nn.Sequential`` / ``nn.ModuleList`` attribute of the LightningModule
+    named like its placement key) gets its own ranks, pipeline depth and data-parallel size;
+    modules form a DAG; a multi-module 1F1B (or GPipe) schedule drives them.
+
+    Args:
+        placements: ``{module: ModulePlacement(pp, dp, rank_offset)}``.
+        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss.
+        num_microbatches: microbatches per global batch.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        stage_numbering: ``"alap"`` (default) or ``"asap"``; which global stage index bounds the
+            microbatches a stage holds in flight under 1F1B (see :mod:`lightning_mmpp.topology`).
+        process_group_backend: defaults to gloo on CPU, NCCL on CUDA.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"`` or
+            ``"fork"``. Ignored under ``torchrun`` / SLURM.
+    """
+
+    strategy_name = "multimodule_pipeline"
+
+    def __init__(
+        self,
+        placements: Mapping[str, ModulePlacement],
+        topology: Mapping[str, Sequence[str]],
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        *,
+        stage_numbering: Literal["alap", "asap"] = "alap",
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        check_schedule_args(schedule, num_microbatches, stage_numbering)
+        if start_method not in ("popen", "spawn", "fork"):
+            raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
+        self.layout = PipelineLayout(placements, topology)
+        self.num_microbatches = num_microbatches
+        self.schedule_name = schedule
+        self.stage_numbering = stage_numbering
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._dp_groups: dict[tuple[int, ...], Any] = {}
+        self._partition: Optional[Partition] = None
+        self._comm: Optional[MultiModuleCommunicator] = None
+        self._runtime: Optional[PipelineRuntime] = None
+        self._schedules: dict[bool, Schedule] = {}
+        self._metric_names: dict[str, list[str]] = {}
+        self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+
+    # --- Lightning plumbing ----------------------------------------------------------------
+
+    @property
+    def topology(self) -> ModuleTopology:
+        return self.layout.topology
+
+    @property
+    def is_distributed(self) -> bool:
+        # False keeps Lightning from inserting a (re-shuffling) DistributedSampler: every rank
+        # loads the same global batch, in the order the user's sampler gives
+        # (see ``process_dataloader``).
+        return False
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank loads the same global batch; the strategy splits it
+        return {"num_replicas": 1, "rank": 0}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Give a shuffling DataLoader the same order on every rank.
+
+        A ``RandomSampler`` without its own generator draws from each process's global RNG,
+        which differs across ranks; it is replaced by a sampler seeded from the run's seed
+        (``seed_everything``, else 0) and re-shuffled each epoch. Sequential and user-seeded
+        samplers are kept as they are.
+        """
+        if (
+            isinstance(dataloader, DataLoader)
+            and isinstance(dataloader.sampler, RandomSampler)
+            and dataloader.sampler.generator is None
+            and not dataloader.sampler.replacement
+        ):
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+            return _update_dataloader(dataloader, sampler)
+        return dataloader
+
+    @property
+    def communicator(self) -> Optional[MultiModuleCommunicator]:
+        """The communicator (after setup), with its traffic counters in ``.stats``."""
+        return self._comm
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # user errors first, identically on every rank, before any collective
+        self.layout.check_world_size(self.world_size)
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._dp_groups = {ranks: dist.new_group(list(ranks), timeout=self._timeout) for ranks in self.layout.dp_groups()}
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        lm = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_fit_configuration(trainer)
+            self.setup_optimizers(trainer)
+        self._partition_model()
+        if fitting:
+            self._filter_optimizers()
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            install_pipeline_optimization(trainer)
+        self._install_gradient_clipping()
+        assert self._partition is not None
+        self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
+        self._runtime = PipelineRuntime(self.layout, self.global_rank, self._comm, self._partition.runners, lm)
+
+    def _check_fit_configuration(self, trainer: Any) -> None:
+        lm = self.lightning_module
+        if not lm.automatic_optimization:
+            raise PipelineConfigError(
+                "MultiModulePipelineStrategy drives forward, backward and the optimizer step itself; manual "
+                "optimization (automatic_optimization = False) is not supported. Remove it."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise PipelineConfigError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: the pipeline "
+                "already accumulates over microbatches. Raise num_microbatches (and the batch size) instead."
+            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            raise PipelineConfigError(
+                "precision='16-mixed' with a gradient scaler is not supported by the pipeline; use "
+                "precision='bf16-mixed' or '32-true'."
+            )
+
+    def _partition_model(self) -> None:
+        lm = self.lightning_module
+        cached = getattr(lm, "_mmpp_partition", None)
+        if cached is not None and cached[0] is self.layout and cached[1] == self.global_rank:
+            self._partition = cached[2]
+            return
+        if cached is not None:
+            raise PipelineConfigError(
+                "this LightningModule was already partitioned by another MultiModulePipelineStrategy or rank; "
+                "build a fresh model for a new layout."
+            )
+        self._partition = partition_model(lm, self.layout, self.global_rank)
+        lm._mmpp_partition = (self.layout, self.global_rank, self._partition)
+
+    def _filter_optimizers(self) -> None:
+        assert self._partition is not None
+        owned = self._partition.owned_parameter_ids
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in owned]
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # --- the pipelined steps ---------------------------------------------------------------
+
+    def _schedule(self, forward_only: bool) -> Schedule:
+        if forward_only not in self._schedules:
+            name = "gpipe" if forward_only else self.schedule_name
+            self._schedules[forward_only] = build_schedule(
+                self.layout, self.num_microbatches, name, forward_only=forward_only, numbering=self.stage_numbering
+            )
+        return self._schedules[forward_only]
+
+    def _run_pipeline(self, batch: Any, forward_only: bool, keep_sink_outputs: bool = False) -> StepResult:
+        assert self._runtime is not None
+        micro = split_microbatches(batch, self.num_microbatches, self._batch_divisor)
+        rank = self.global_rank
+
+        def shard(module: str, k: int) -> Any:
+            slot = self.layout.slot(rank, module)
+            assert slot is not None
+            size = tree_flatten(micro[k])[0]
+            n = next(x.shape[0] for x in size if isinstance(x, Tensor) and x.dim() > 0)
+            return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, n))
+
+        return self._runtime.run(self._schedule(forward_only), shard, keep_sink_outputs=keep_sink_outputs)
+
+    def reduce_metrics(self, local: Mapping[str, Tensor], stage: str) -> dict[str, Tensor]:
+        """Sum every rank's metric shares over the world, so every rank holds the same values."""
+        names = self._metric_names.get(stage, [])
+        while True:
+            unknown = float(any(n not in names for n in local))
+            vector = torch.stack(
+                [local[n].to(self.root_device, torch.float32) if n in local else torch.zeros((), device=self.root_device)
+                 for n in names]
+                + [torch.tensor(unknown, device=self.root_device)]
+            )
+            if self.world_size > 1:
+                dist.all_reduce(vector, op=ReduceOp.SUM)
+            if vector[-1].item() == 0:
+                return {n: vector[i] for i, n in enumerate(names)}
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, sorted(local)) if self.world_size > 1 else gathered.__setitem__(0, sorted(local))
+            names = sorted({n for part in gathered for n in part})
+            self._metric_names[stage] = names
+
+    def _log_metrics(self, prefix: str, metrics: Mapping[str, Tensor], batch_size: int, on_step: bool) -> None:
+        lm = self.lightning_module
+        for name, value in metrics.items():
+            lm.log(
+                f"{prefix}_{name}",
+                value,
+                prog_bar=name == "loss",
+                on_step=on_step,
+                on_epoch=not on_step or prefix != "train",
+                batch_size=batch_size,
+                sync_dist=False,  # already identical on every rank
+            )
+
+    def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        batch = args[0] if args else kwargs["batch"]
+        with self.precision_plugin.train_step_context():
+            result = self._run_pipeline(batch, forward_only=False)
+        self.synchronize_gradients()
+        metrics = self.reduce_metrics(result.metric_sums, "train")
+        self._log_metrics("train", metrics, _batch_size(batch), on_step=True)
+        return {"loss": metrics["loss"]}
+
+    def synchronize_gradients(self) -> None:
+        """Sum each module's gradients over its dp group (colocated modules share one reduction)."""
+        assert self._partition is not None
+        by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        for module, runner in self._partition.runners.items():
+            ranks = self.layout.dp_group(module, runner.stage)
+            by_group.setdefault(ranks, []).extend(runner.parameters())
+        sum_gradients(by_group, self._dp_groups)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the backward hooks only: the pipeline step already ran every backward."""
+        lm = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
+        return self.precision_plugin.post_backward(closure_loss, lm)
+
+    def _evaluation_step(self, prefix: str, batch: Any) -> dict[str, Tensor]:
+        with self.precision_plugin.val_step_context() if prefix == "val" else self.precision_plugin.test_step_context():
+            result = self._run_pipeline(batch, forward_only=True)
+        metrics = self.reduce_metrics(result.metric_sums, prefix)
+        self._log_metrics(prefix, metrics, _batch_size(batch), on_step=False)
+        return {f"{prefix}_{n}": v for n, v in metrics.items()}
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        return self._evaluation_step("val", args[0] if args else kwargs["batch"])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
+        return self._evaluation_step("test", args[0] if args else kwargs["batch"])
+
+    # --- gradient clipping over the whole model --------------------------------------------
+
+    def _install_gradient_clipping(self) -> None:
+        plugin = self.precision_plugin
+        if getattr(plugin, "_mmpp_clipping", None) is self:
+            return
+        plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        plugin._mmpp_clipping = self
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """Clip by the global gradient norm over every module and rank, dp replicas counted once."""
+        assert self._partition is not None
+        squares = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        grads: list[Tensor] = []
+        for module, runner in self._partition.runners.items():
+            slot = self.layout.slot(self.global_rank, module)
+            assert slot is not None
+            for p in runner.parameters():
+                if p.grad is None:
+                    continue
+                grads.append(p.grad)
+                if slot.replica == 0:
+                    squares += p.grad.detach().float().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(squares, op=ReduceOp.SUM)
+        total = squares.sqrt()
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+
+    # --- collectives Lightning asks for ----------------------------------------------------
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def teardown(self) -> None:
+        for group in self._dp_groups.values():
+            if _distributed_is_initialized():
+                dist.destroy_process_group(group)
+        self._dp_groups = {}
+        super().teardown()
+
+    def __str__(self) -> str:
+        return (
+            f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
+            f"world_size={self.layout.world_size})\n{self.layout.table()}"
+        )
+
+    __repr__ = __str__
+
+
+def _batch_size(batch: Any) -> int:
+    leaves, _ = tree_flatten(batch)
+    return next(x.shape[0] for x in leaves if isinstance(x, Tensor) and x.dim() > 0)

@@ -1,0 +1,145 @@
+"""Small multi-module LightningModules used by the distributed tests."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mmpp.reference import run_unpipelined
+
+VOCAB = 11
+HIDDEN = 8
+SEQ = 3
+
+
+class Encoder(nn.Module):
+    """Features -> hidden activations."""
+
+    def __init__(self, dim_in: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+class Block(nn.Module):
+    """A layer that passes a dict {"h": float activations, "ids": int64 token ids}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.lin(x["h"]) + self.emb(x["ids"]))
+        return {"h": h, "ids": x["ids"]}
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.out(x["h"])
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(VOCAB, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class MultiModalModel(L.LightningModule):
+    """Encoders ``enc*`` feed a token model ``llm``; optionally ``llm`` feeds a ``dec``oder.
+
+    Every module name in ``topology`` gets layers; the sink computes the loss. Token ids cross
+    stage boundaries beside float activations.
+    """
+
+    def __init__(self, topology: Mapping[str, Sequence[str]], llm_layers: int = 4, lr: float = 0.1,
+                 optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.topology = {k: list(v) for k, v in topology.items()}
+        self.lr = lr
+        self.optimizer_name = optimizer
+        torch.manual_seed(1234)
+        for name in self.topology:
+            if name.startswith("enc"):
+                setattr(self, name, nn.Sequential(Encoder(6), Encoder(HIDDEN).proj, nn.Tanh()))
+            elif name == "llm":
+                self.llm = nn.Sequential(*[Block() for _ in range(llm_layers)], Head())
+            elif name == "dec":
+                self.dec = nn.Sequential(Decoder(), nn.Tanh(), nn.Linear(4, 4))
+            else:
+                raise ValueError(name)
+
+    # --- the pipeline contract --------------------------------------------------------------
+
+    def pipeline_inputs(self, module: str, batch: dict[str, torch.Tensor], upstream: dict[str, Any]) -> Any:
+        if module.startswith("enc"):
+            return batch[f"x_{module}"]
+        if module == "llm":
+            h = torch.zeros(batch["ids"].shape + (HIDDEN,), dtype=torch.float32, device=batch["ids"].device)
+            for name in sorted(upstream):
+                h = h + upstream[name].unsqueeze(1)
+            return {"h": h, "ids": batch["ids"]}
+        return upstream["llm"]
+
+    def pipeline_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if output.shape[-1] == VOCAB:
+            loss = F.cross_entropy(output.reshape(-1, VOCAB), batch["target"].reshape(-1))
+        else:
+            loss = F.mse_loss(output.mean(1), batch["y"])
+        return {"loss": loss, "abs_out": output.abs().mean()}
+
+    # --- single-process reference ----------------------------------------------------------
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = run_unpipelined(self, self.topology, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = run_unpipelined(self, self.topology, batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class SyntheticDataset(Dataset):
+    """A learnable task: the target token depends on the encoder features and the input ids."""
+
+    def __init__(self, size: int, encoders: Sequence[str], seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = {f"x_{e}": torch.randn(size, 6, generator=g) for e in encoders}
+        self.data["ids"] = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+        feat = sum((x[:, 0] > 0).long() for x in (self.data[f"x_{e}"] for e in encoders)) if encoders else 0
+        self.data["target"] = (self.data["ids"] + torch.as_tensor(feat).unsqueeze(-1)) % VOCAB
+        self.data["y"] = torch.randn(size, 4, generator=g)
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.data.items()}
+
+
+def make_loader(topology: Mapping[str, Sequence[str]], batch_size: int, size: int) -> DataLoader:
+    encoders = [m for m in topology if m.startswith("enc")]
+    return DataLoader(SyntheticDataset(size, encoders), batch_size=batch_size, shuffle=False, drop_last=True)

@@ -1,0 +1,87 @@
+"""The backbone: pipelined training equals single-process training, for many layouts."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
+from tests.dist import run_distributed
+from tests.models import MultiModalModel, make_loader
+
+P = ModulePlacement
+STEPS = 3
+
+TWO_ENC = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
+ONE_ENC = {"enc_a": ["llm"], "llm": []}
+CHAIN3 = {"enc_a": ["llm"], "llm": ["dec"], "dec": []}
+
+# id: (topology, placements, num_microbatches, batch_size)
+LAYOUTS = {
+    "enc-llm": (ONE_ENC, {"enc_a": P(), "llm": P()}, 4, 8),
+    "enc-llm_pp3": (ONE_ENC, {"enc_a": P(), "llm": P(pp=3)}, 4, 8),
+    "2enc-llm_pp2": (TWO_ENC, {"enc_a": P(), "enc_b": P(), "llm": P(pp=2)}, 4, 8),
+    "2enc_colocated-llm_pp2": (TWO_ENC, {"enc_a": P(rank_offset=0), "enc_b": P(rank_offset=0), "llm": P(pp=2)}, 4, 8),
+    "fanin_enc_dp2-llm": (ONE_ENC, {"enc_a": P(dp=2), "llm": P()}, 4, 8),
+    "fanout_enc-llm_dp2": (ONE_ENC, {"enc_a": P(), "llm": P(dp=2)}, 4, 8),
+    "enc_pp2-llm_pp2_dp2": (ONE_ENC, {"enc_a": P(pp=2), "llm": P(pp=2, dp=2)}, 2, 8),
+    "chain3": (CHAIN3, {"enc_a": P(), "llm": P(), "dec": P(pp=2)}, 3, 6),
+    "all_colocated_world1": (TWO_ENC, {"enc_a": P(rank_offset=0), "enc_b": P(rank_offset=0), "llm": P(rank_offset=0)}, 2, 8),
+    "m_below_depth": (ONE_ENC, {"enc_a": P(), "llm": P(pp=3)}, 2, 4),
+    "m_above_depth": (TWO_ENC, {"enc_a": P(dp=2), "enc_b": P(), "llm": P(pp=2)}, 8, 16),
+}
+
+
+def _trainer_kwargs(devices: int, steps: int) -> dict:
+    return dict(
+        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+
+
+def _reference(topology, batch_size: int, optimizer: str, clip: float | None) -> dict[str, torch.Tensor]:
+    model = MultiModalModel(topology, optimizer=optimizer)
+    trainer = L.Trainer(**_trainer_kwargs(1, STEPS), gradient_clip_val=clip)
+    trainer.fit(model, make_loader(topology, batch_size, batch_size * STEPS))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip):
+    out = {}
+    for schedule in ("1f1b", "gpipe"):
+        model = MultiModalModel(topology, optimizer=optimizer)
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, schedule=schedule)
+        trainer = L.Trainer(**_trainer_kwargs(world, STEPS), strategy=strategy, gradient_clip_val=clip)
+        trainer.fit(model, make_loader(topology, batch_size, batch_size * STEPS))
+        out[schedule] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"{schedule}_loss"] = float(trainer.callback_metrics["train_loss"])
+    return out
+
+
+def _check(per_rank, reference):
+    for schedule in ("1f1b", "gpipe"):
+        seen: dict[str, torch.Tensor] = {}
+        for rank, result in enumerate(per_rank):
+            for name, value in result[schedule].items():
+                torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{schedule} {name}")
+                if name in seen:  # dp replicas hold identical parameters
+                    assert torch.equal(seen[name], value), f"{schedule}: replicas differ on {name}"
+                seen[name] = value
+        assert set(seen) == set(reference), f"{schedule}: missing {set(reference) - set(seen)}"
+        losses = {r[f"{schedule}_loss"] for r in per_rank}
+        assert len(losses) == 1, f"train_loss differs across ranks: {losses}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_matches_single_process(layout):
+    topology, placements, m, batch_size = LAYOUTS[layout]
+    world = max(p.size + (p.rank_offset or 0) for p in placements.values())
+    world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
+    reference = _reference(topology, batch_size, "sgd", None)
+    per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "sgd", None,
+                               timeout=180, init_pg=False)
+    _check(per_rank, reference)
