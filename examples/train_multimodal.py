@@ -168,8 +168,15 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # more ranks than cores: one thread per rank
     strategy = MultiModulePipelineStrategy(
-        placements=PLACEMENTS, topology=TOPOLOGY, num_microbatches=args.microbatches, schedule=args.schedule
+        placements=PLACEMENTS,
+        topology=TOPOLOGY,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        # CPU workers forked from this process skip re-importing torch and Lightning (seconds
+        # each); on GPUs keep the default "popen" (CUDA does not survive a fork).
+        start_method="fork",
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -353,7 +353,11 @@ class MultiModuleCommunicator:
         return results
 
     def wait_sends(self) -> None:
-        """Wait for the send works still in flight from the previous exchange and free their buffers."""
+        """Wait for the send works still in flight from the previous exchange and free their buffers.
+
+        :meth:`exchange` calls it first thing; call it yourself at the end of a step or before the
+        process group is destroyed, so that no send is abandoned when a process exits.
+        """
         pending, self._pending_sends = self._pending_sends, []
         for work, _buffer in pending:
             work.wait()
@@ -535,7 +539,10 @@ class MultiModuleCommunicator:
             leaves, spec = flatten_payload(chunks[peer.chunk], where) if chunks else flat
             states.append(_PeerState(peer.rank, peer.chunk, spec))
             if peer.rank == self.rank:
-                handed = spec.unflatten([None if t is None else t.detach().requires_grad_(t.requires_grad) for t in leaves])
+                # No bytes move: the same storage, detached, requires_grad kept.
+                handed = spec.unflatten(
+                    [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in leaves]
+                )
                 self._mailbox[key] = handed
                 self.stats.local_handovers += 1
                 continue
@@ -606,7 +613,8 @@ class MultiModuleCommunicator:
                 self._mailbox[key] = spec.unflatten(chunk)
                 self.stats.local_handovers += 1
                 continue
-            buffer = pack([chunk[i] for i in spec.grad_layout.indices], spec.grad_layout, self.device, FLAG_DATA, key.tag)
+            tensors = [chunk[i] for i in spec.grad_layout.indices]
+            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, key.tag)
             outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [buffer]))
 
     def _take_local(self, key: MessageKey) -> Any:
@@ -672,10 +680,8 @@ class MultiModuleCommunicator:
                 ops.append(dist.P2POp(dist.isend, buffer, msg.peer, self.group))
                 self.stats.messages_sent += 1
                 self.stats.bytes_sent += buffer.numel() * buffer.element_size()
-            buffers = []
             for msg in recvs:
                 buffer = msg.next_buffer(self.device)
-                buffers.append(buffer)
                 ops.append(dist.P2POp(dist.irecv, buffer, msg.peer, self.group))
                 self.stats.messages_received += 1
                 self.stats.bytes_received += buffer.numel() * buffer.element_size()
@@ -738,8 +744,9 @@ class MultiModuleCommunicator:
             f"{self._bridge_context(key, 'fan-in')}: replicas on ranks {[s.rank for s in states]} into replica "
             f"{slot.replica} (microbatch {key.microbatch})"
         )
+        pieces = [s.spec.unflatten([None if t is None else t.detach() for t in leaves]) for s, leaves in zip(states, chunks)]
         joined = concat_payloads(
-            [s.spec.unflatten([None if t is None else t.detach() for t in leaves]) for s, leaves in zip(states, chunks)],
+            pieces,
             self._batch_dim(key),
             context,
         )

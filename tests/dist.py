@@ -17,6 +17,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -65,7 +66,8 @@ def _worker(
                 "TORCHELASTIC_RUN_ID": f"mmpp-test-{port}",
             }
         )
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname says
         torch.set_num_threads(1)
         if init_pg:
             dist.init_process_group(

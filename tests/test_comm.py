@@ -25,6 +25,8 @@ try:
 except ImportError:  # tests/ itself on sys.path
     from dist import run_distributed  # type: ignore[no-redef]
 
+pytestmark = pytest.mark.timeout(60)
+
 MB = 8  # microbatch size: divisible by every dp used below
 CPU = torch.device("cpu")
 
