@@ -215,9 +215,11 @@ def bench_memory() -> None:
     print("ranks: enc_a s0, enc_a s1, enc_b, llm s0, llm s1 (depth 4)")
     print(table(["m", "1f1b stash", "gpipe stash", "1f1b total", "gpipe total", "1f1b/gpipe",
                  "1f1b step", "gpipe step", "step ratio"], rows))
+    same_time = all(r[-1] == 1.0 for r in rows)
     print(
-        "-> 1F1B holds at most depth - index microbatches per stage (4 3 3 2 1 with ALAP), independent of m; "
-        "GPipe holds all m on every rank, so the ratio falls as 1/m at equal step time."
+        f"-> 1F1B holds at most depth - index microbatches per stage ({' '.join(map(str, rows[-1][1]))} with "
+        "ALAP), independent of m; GPipe holds all m on every rank, so the ratio falls as 1/m"
+        + (" at equal step time." if same_time else "; the step times differ (last column).")
     )
 
 

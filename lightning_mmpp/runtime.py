@@ -22,6 +22,7 @@ from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
 from lightning_mmpp.schedule import BACKWARD, FORWARD, Compute, Exchange, Schedule, Transfer
+from lightning_mmpp.trace import NULL_TRACER, Tracer
 
 
 class PipelineHooks(Protocol):
@@ -107,7 +108,9 @@ class PipelineRuntime:
         comm: Communicator,
         runners: Mapping[str, StageRunner],
         hooks: PipelineHooks,
+        tracer: Tracer | None = None,
     ) -> None:
+        self.tracer = tracer if tracer is not None else NULL_TRACER
         self.layout = layout
         self.rank = rank
         self.comm = comm
@@ -128,120 +131,106 @@ class PipelineRuntime:
                 ``module`` processes.
             keep_sink_outputs: keep the sink stage outputs (for predict).
         """
-        m = schedule.num_microbatches
-        training = not schedule.forward_only
-        received: dict[tuple[str, int], dict[str, Any]] = {}   # (dst module, k) -> {src module: payload}
-        outputs: dict[tuple[str, int], Any] = {}                # (module, k) -> stage output
-        losses: dict[tuple[str, int], Tensor] = {}              # (sink module, k) -> scaled loss
-        out_grads: dict[tuple[str, int], dict[str, Any]] = {}   # (module, k) -> {consumer: grad}
-        in_grads: dict[tuple[str, int], dict[str, Any]] = {}    # (module, k) -> {producer: grad}
-        result = StepResult()
-        stashed = 0
-
+        step = _StepState(schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs)
         for action in schedule.for_rank(self.rank):
             if isinstance(action, Exchange):
-                sends = self._collect_sends(action.sends, outputs, in_grads, training)
-                recv_keys = list(dict.fromkeys(_key(t) for t in action.recvs))
-                got = self.comm.exchange(sends, recv_keys)
-                for key, payload in got.items():
-                    if key.direction == FORWARD:
-                        received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
-                    else:
-                        out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+                self._exchange(step, action)
                 continue
-            assert isinstance(action, Compute)
-            module, k = action.module, action.microbatch
-            runner = self.runners[module]
-            last = self.layout.is_last_stage(self.layout.slot(self.rank, module))
-            if action.phase == FORWARD:
-                inputs = received.get((module, k), {})
-                if runner.stage == 0:
-                    upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
-                    x = self.hooks.pipeline_inputs(module, shard(module, k), upstream)
+            runner = self.runners[action.module]
+            name = "forward" if action.phase == FORWARD else "backward"
+            with self.tracer.span(name, action.module, microbatch=action.microbatch, stage=runner.stage):
+                if action.phase == FORWARD:
+                    self._forward(step, runner, action.microbatch)
                 else:
-                    x = inputs[module]
-                out = runner(x)
-                if last and module in self.sinks:
-                    loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, shard(module, k)), module)
-                    scale = 1.0 / (m * self.layout.placements[module].dp)
-                    if training:
-                        losses[(module, k)] = loss * scale
-                    self._accumulate(result, module, loss, metrics, scale)
-                    if keep_sink_outputs:
-                        result.sink_outputs.setdefault(k, {})[module] = out
-                if training:
-                    outputs[(module, k)] = out
-                    stashed += 1
-                    result.peak_stashed = max(result.peak_stashed, stashed)
-                elif not (last and module in self.sinks):
-                    outputs[(module, k)] = out  # freed once sent
-                    received.pop((module, k), None)
-                else:
-                    received.pop((module, k), None)
-            else:
-                self._backward(module, k, last, outputs, losses, out_grads)
-                inputs = received.pop((module, k), {})
-                in_grads[(module, k)] = {src: _grad_payload(p) for src, p in inputs.items()}
-                outputs.pop((module, k), None)
-                stashed -= 1
-        assert not received and not out_grads and not losses, "stash not drained"
-        return result
+                    self._backward(step, runner, action.microbatch)
+        assert not step.received and not step.out_grads and not step.losses, "stash not drained"
+        return step.result
 
-    def _collect_sends(
-        self,
-        transfers: Sequence[Transfer],
-        outputs: dict[tuple[str, int], Any],
-        in_grads: dict[tuple[str, int], dict[str, Any]],
-        training: bool,
-    ) -> dict[MessageKey, Any]:
+    def _exchange(self, step: "_StepState", action: Exchange) -> None:
+        sends = self._collect_sends(step, action.sends)
+        recv_keys = list(dict.fromkeys(_key(t) for t in action.recvs))
+        with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
+            got = self.comm.exchange(sends, recv_keys)
+        for key, payload in got.items():
+            if key.direction == FORWARD:
+                step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
+            else:
+                step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+
+    def _is_loss_stage(self, runner: StageRunner) -> bool:
+        return runner.module in self.sinks and runner.stage == self.layout.placements[runner.module].pp - 1
+
+    def _forward(self, step: "_StepState", runner: StageRunner, k: int) -> None:
+        module = runner.module
+        inputs = step.received.get((module, k), {})
+        if runner.stage == 0:
+            upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
+            x = self.hooks.pipeline_inputs(module, step.shard(module, k), upstream)
+        else:
+            x = inputs[module]
+        out = runner(x)
+        loss_stage = self._is_loss_stage(runner)
+        if loss_stage:
+            loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
+            scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
+            if step.training:
+                step.losses[(module, k)] = loss * scale
+            self._accumulate(step.result, module, loss, metrics, scale)
+            if step.keep_sink_outputs:
+                step.result.sink_outputs.setdefault(k, {})[module] = out
+        if step.training:
+            step.outputs[(module, k)] = out  # stashed until its backward
+            step.stashed += 1
+            step.result.peak_stashed = max(step.result.peak_stashed, step.stashed)
+            return
+        step.received.pop((module, k), None)
+        if not loss_stage:
+            step.outputs[(module, k)] = out  # freed once sent
+
+    def _backward(self, step: "_StepState", runner: StageRunner, k: int) -> None:
+        module = runner.module
+        if self._is_loss_stage(runner):
+            loss = step.losses.pop((module, k))
+            if loss.requires_grad:
+                torch.autograd.backward(loss)
+        else:
+            grad: Optional[Any] = None
+            for g in step.out_grads.pop((module, k), {}).values():
+                grad = g if grad is None else _add_payloads(grad, g)
+            out_leaves, _ = tree_flatten(step.outputs[(module, k)])
+            grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
+            tensors, grad_tensors = [], []
+            for out, g in zip(out_leaves, grad_leaves):
+                if isinstance(out, Tensor) and out.requires_grad and g is not None:
+                    tensors.append(out)
+                    grad_tensors.append(g)
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        inputs = step.received.pop((module, k), {})
+        step.in_grads[(module, k)] = {src: _grad_payload(p) for src, p in inputs.items()}
+        step.outputs.pop((module, k), None)
+        step.stashed -= 1
+
+    def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
         sends: dict[MessageKey, Any] = {}
         for t in transfers:
             key = _key(t)
             if key in sends:
                 continue
             if t.direction == FORWARD:
-                sends[key] = outputs[(t.src_module, t.microbatch)]
+                sends[key] = step.outputs[(t.src_module, t.microbatch)]
             else:
-                sends[key] = in_grads[(t.dst_module, t.microbatch)][t.src_module]
-        if not training:  # forward-only: an output is dropped once every consumer has been sent it
-            for key in sends:
-                outputs.pop((key.src_module, key.microbatch), None)
-        for key in [k for k in in_grads]:
-            pending = in_grads[key]
-            for t in transfers:
-                if t.direction == BACKWARD and (t.dst_module, t.microbatch) == key:
-                    pending.pop(t.src_module, None)
-            if not pending:
-                del in_grads[key]
+                sends[key] = step.in_grads[(t.dst_module, t.microbatch)][t.src_module]
+        for key in sends:
+            if key.direction == FORWARD and not step.training:
+                # forward-only: an output is dropped once every consumer has been sent it
+                step.outputs.pop((key.src_module, key.microbatch), None)
+            elif key.direction == BACKWARD:
+                pending = step.in_grads[(key.dst_module, key.microbatch)]
+                pending.pop(key.src_module, None)
+                if not pending:
+                    del step.in_grads[(key.dst_module, key.microbatch)]
         return sends
-
-    def _backward(
-        self,
-        module: str,
-        k: int,
-        last: bool,
-        outputs: dict[tuple[str, int], Any],
-        losses: dict[tuple[str, int], Tensor],
-        out_grads: dict[tuple[str, int], dict[str, Any]],
-    ) -> None:
-        if last and module in self.sinks:
-            loss = losses.pop((module, k))
-            if loss.requires_grad:
-                torch.autograd.backward(loss)
-            return
-        grads_by_consumer = out_grads.pop((module, k), {})
-        grad: Optional[Any] = None
-        for g in grads_by_consumer.values():
-            grad = g if grad is None else _add_payloads(grad, g)
-        out_leaves, _ = tree_flatten(outputs[(module, k)])
-        grad_leaves, _ = tree_flatten(grad) if grad is not None else ([None] * len(out_leaves), None)
-        tensors, grad_tensors = [], []
-        for out, g in zip(out_leaves, grad_leaves):
-            if isinstance(out, Tensor) and out.requires_grad and g is not None:
-                tensors.append(out)
-                grad_tensors.append(g)
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
 
     def _accumulate(self, result: StepResult, module: str, loss: Tensor, metrics: dict[str, Tensor], scale: float) -> None:
         prefix = "" if len(self.sinks) == 1 else f"{module}_"
@@ -249,6 +238,23 @@ class PipelineRuntime:
         for name, value in values.items():
             share = value.detach().float() * scale
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
+
+
+@dataclass
+class _StepState:
+    """Everything one step holds between actions; emptied as backwards run."""
+
+    num_microbatches: int
+    training: bool
+    shard: Callable[[str, int], Any]
+    keep_sink_outputs: bool
+    result: StepResult = field(default_factory=StepResult)
+    stashed: int = 0
+    received: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (dst, k) -> {src: payload}
+    outputs: dict[tuple[str, int], Any] = field(default_factory=dict)               # (module, k) -> output
+    losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss
+    out_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (module, k) -> {consumer: grad}
+    in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
 
 
 def _key(t: Transfer) -> MessageKey:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -40,6 +41,7 @@ from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
 from lightning_mmpp.topology import ModuleTopology
+from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"`` or
             ``"fork"``. Ignored under ``torchrun`` / SLURM.
+        trace_dir: record a timeline of every forward, backward, communication wait, gradient
+            reduction and optimizer step, and write Chrome trace-event JSON there at teardown
+            (``trace_rank{r}.json`` per rank and a merged ``trace.json``). Off by default.
     """
 
     strategy_name = "multimodule_pipeline"
@@ -114,6 +119,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
+        trace_dir: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -140,6 +146,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._schedules: dict[bool, Schedule] = {}
         self._metric_names: dict[str, list[str]] = {}
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+        self.trace_dir = trace_dir
+        self._tracer: Tracer | Any = NULL_TRACER
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -244,8 +252,12 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             install_pipeline_optimization(trainer)
         self._install_gradient_clipping()
         assert self._partition is not None
+        if self.trace_dir is not None and not self._tracer.enabled:
+            self._tracer = Tracer(self.global_rank)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
-        self._runtime = PipelineRuntime(self.layout, self.global_rank, self._comm, self._partition.runners, lm)
+        self._runtime = PipelineRuntime(
+            self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer
+        )
 
     def _check_fit_configuration(self, trainer: Any) -> None:
         lm = self.lightning_module
@@ -349,9 +361,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         batch = args[0] if args else kwargs["batch"]
+        self._tracer.step = self.lightning_module.trainer.global_step
         with self.precision_plugin.train_step_context():
             result = self._run_pipeline(batch, forward_only=False)
-        self.synchronize_gradients()
+        with self._tracer.span("dp_allreduce", "dp"):
+            self.synchronize_gradients()
         metrics = self.reduce_metrics(result.metric_sums, "train")
         self._log_metrics("train", metrics, _batch_size(batch), on_step=True)
         return {"loss": metrics["loss"]}
@@ -364,6 +378,25 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             ranks = self.layout.dp_group(module, runner.stage)
             by_group.setdefault(ranks, []).extend(runner.parameters())
         sum_gradients(by_group, self._dp_groups)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; the closure runs the whole pipeline step inside it.
+
+        The trace's ``optimizer_step`` event covers what follows the closure: gradient
+        clipping and the parameter update.
+        """
+        if not self._tracer.enabled:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        closure_end = [0]
+
+        def timed_closure() -> Any:
+            out = closure()
+            closure_end[0] = time.time_ns()
+            return out
+
+        result = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        self._tracer.record("optimizer_step", "optimizer", closure_end[0], time.time_ns())
+        return result
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Run the backward hooks only: the pipeline step already ran every backward."""
@@ -432,7 +465,17 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    def _write_trace(self) -> None:
+        if not self._tracer.enabled or self.trace_dir is None:
+            return
+        self._tracer.write(self.trace_dir)
+        if self.world_size > 1 and _distributed_is_initialized():
+            dist.barrier()
+        if self.global_rank == 0:
+            merge_traces(self.trace_dir, self.world_size)
+
     def teardown(self) -> None:
+        self._write_trace()
         for group in self._dp_groups.values():
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
