@@ -90,6 +90,7 @@ class Partition:
 
     runners: dict[str, StageRunner]
     owned_parameter_ids: set[int]
+    frozen_modules: frozenset[str]  # modules none of whose parameters (on any rank) require grad
 
 
 def _layer_container(model: nn.Module, module: str) -> nn.Module:
@@ -130,12 +131,15 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
     check_model(model, layout)
     runners: dict[str, StageRunner] = {}
     owned: set[int] = set()
+    frozen: set[str] = set()
     stage_of_param: dict[int, tuple[str, int]] = {}
     for module in layout.modules:
         container = _layer_container(model, module)
         names = list(container._modules)
         layers = [container._modules[n] for n in names]
         placement = layout.placements[module]
+        if not any(p.requires_grad for p in container.parameters()):
+            frozen.add(module)
         ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
         for stage, span in enumerate(ranges):
             for i in span:
@@ -155,4 +159,4 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
             runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep])
             runners[module] = runner
             owned.update(id(p) for p in runner.parameters())
-    return Partition(runners=runners, owned_parameter_ids=owned)
+    return Partition(runners=runners, owned_parameter_ids=owned, frozen_modules=frozenset(frozen))

@@ -49,6 +49,8 @@ class StepResult:
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
     sink_outputs: dict[int, Any] = field(default_factory=dict)
     peak_stashed: int = 0
+    # bytes of the stashed outputs and received inputs held for backwards, at their peak
+    peak_stashed_bytes: int = 0
 
 
 def _loss_and_metrics(result: Any, module: str) -> tuple[Tensor, dict[str, Tensor]]:
@@ -83,6 +85,13 @@ def _grad_payload(payload: Any) -> Any:
     return tree_map(lambda x: x.grad if isinstance(x, Tensor) else None, payload)
 
 
+def _payload_bytes(payload: Any) -> int:
+    """Bytes of the distinct tensors in a pytree (a tensor passed through twice counts once)."""
+    seen = {(t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size()
+            for t in tree_flatten(payload)[0] if isinstance(t, Tensor)}
+    return sum(seen.values())
+
+
 def _add_payloads(a: Any, b: Any) -> Any:
     la, spec = tree_flatten(a)
     lb, _ = tree_flatten(b)
@@ -109,7 +118,9 @@ class PipelineRuntime:
         runners: Mapping[str, StageRunner],
         hooks: PipelineHooks,
         tracer: Tracer | None = None,
+        no_grad_modules: frozenset[str] = frozenset(),
     ) -> None:
+        self.no_grad_modules = no_grad_modules
         self.tracer = tracer if tracer is not None else NULL_TRACER
         self.layout = layout
         self.rank = rank
@@ -123,6 +134,7 @@ class PipelineRuntime:
         schedule: Schedule,
         shard: Callable[[str, int], Any],
         keep_sink_outputs: bool = False,
+        compute_loss: bool = True,
     ) -> StepResult:
         """Execute ``schedule`` for this rank.
 
@@ -130,8 +142,11 @@ class PipelineRuntime:
             shard: ``shard(module, k)`` -> the slice of microbatch ``k`` this rank's replica of
                 ``module`` processes.
             keep_sink_outputs: keep the sink stage outputs (for predict).
+            compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
         """
-        step = _StepState(schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs)
+        step = _StepState(
+            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss
+        )
         for action in schedule.for_rank(self.rank):
             if isinstance(action, Exchange):
                 self._exchange(step, action)
@@ -168,20 +183,27 @@ class PipelineRuntime:
             x = self.hooks.pipeline_inputs(module, step.shard(module, k), upstream)
         else:
             x = inputs[module]
-        out = runner(x)
+        trained = step.training and module not in self.no_grad_modules
+        if trained:
+            out = runner(x)
+        else:
+            with torch.no_grad():
+                out = runner(x)
         loss_stage = self._is_loss_stage(runner)
-        if loss_stage:
+        if loss_stage and step.keep_sink_outputs:
+            step.result.sink_outputs.setdefault(k, {})[module] = out
+        if loss_stage and step.compute_loss:
             loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
             if step.training:
                 step.losses[(module, k)] = loss * scale
             self._accumulate(step.result, module, loss, metrics, scale)
-            if step.keep_sink_outputs:
-                step.result.sink_outputs.setdefault(k, {})[module] = out
-        if step.training:
+        if trained:
             step.outputs[(module, k)] = out  # stashed until its backward
             step.stashed += 1
             step.result.peak_stashed = max(step.result.peak_stashed, step.stashed)
+            step.stash_bytes[(module, k)] = _payload_bytes((out, inputs))
+            step.result.peak_stashed_bytes = max(step.result.peak_stashed_bytes, sum(step.stash_bytes.values()))
             return
         step.received.pop((module, k), None)
         if not loss_stage:
@@ -207,9 +229,14 @@ class PipelineRuntime:
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
         inputs = step.received.pop((module, k), {})
-        step.in_grads[(module, k)] = {src: _grad_payload(p) for src, p in inputs.items()}
+        step.in_grads[(module, k)] = {
+            src: _grad_payload(p) for src, p in inputs.items() if src not in self.no_grad_modules
+        }
+        if not step.in_grads[(module, k)]:
+            del step.in_grads[(module, k)]
         step.outputs.pop((module, k), None)
         step.stashed -= 1
+        step.stash_bytes.pop((module, k), None)
 
     def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
         sends: dict[MessageKey, Any] = {}
@@ -222,8 +249,8 @@ class PipelineRuntime:
             else:
                 sends[key] = step.in_grads[(t.dst_module, t.microbatch)][t.src_module]
         for key in sends:
-            if key.direction == FORWARD and not step.training:
-                # forward-only: an output is dropped once every consumer has been sent it
+            if key.direction == FORWARD and (not step.training or key.src_module in self.no_grad_modules):
+                # not stashed for a backward: an output is dropped once its consumers have it
                 step.outputs.pop((key.src_module, key.microbatch), None)
             elif key.direction == BACKWARD:
                 pending = step.in_grads[(key.dst_module, key.microbatch)]
@@ -248,8 +275,10 @@ class _StepState:
     training: bool
     shard: Callable[[str, int], Any]
     keep_sink_outputs: bool
+    compute_loss: bool
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
+    stash_bytes: dict[tuple[str, int], int] = field(default_factory=dict)           # (module, k) -> bytes held
     received: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (dst, k) -> {src: payload}
     outputs: dict[tuple[str, int], Any] = field(default_factory=dict)               # (module, k) -> output
     losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss

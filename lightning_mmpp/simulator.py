@@ -76,6 +76,10 @@ def simulate(
             raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} never posts the other end")
         partner[(rank, i, t)] = (t.peer, j)
 
+    # (rank, module) pairs that run backwards hold their forward activations until then
+    trained = {
+        (rank, a.module) for rank in range(world) for a in actions[rank] if isinstance(a, Compute) and a.phase != FORWARD
+    }
     pc = [0] * world
     clock = [0.0] * world
     busy = [0.0] * world
@@ -95,7 +99,7 @@ def simulate(
                     cost = fwd(action.module, stage) if action.phase == FORWARD else bwd(action.module, stage)
                     clock[rank] += cost
                     busy[rank] += cost
-                    if not schedule.forward_only:
+                    if (rank, action.module) in trained:
                         stashed[rank] += 1 if action.phase == FORWARD else -1
                         peak[rank] = max(peak[rank], stashed[rank])
                 else:

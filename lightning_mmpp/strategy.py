@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+import types
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -26,15 +27,17 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.data_parallel import sum_gradients
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
@@ -46,26 +49,40 @@ from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 log = logging.getLogger(__name__)
 
 
-def split_microbatches(batch: Any, num_microbatches: int, divisor: int) -> list[Any]:
-    """Split every tensor leaf of ``batch`` along dim 0 into ``num_microbatches`` equal parts.
-
-    Non-tensor leaves are handed unchanged to every microbatch.
-    """
-    leaves, spec = tree_flatten(batch)
+def batch_size_of(batch: Any) -> int:
+    """The size of dim 0 shared by every tensor leaf of ``batch``."""
+    leaves, _ = tree_flatten(batch)
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
     if not sizes:
         raise PipelineConfigError("the batch holds no tensor with a batch dimension; the pipeline splits dim 0.")
     if len(sizes) > 1:
         raise PipelineConfigError(f"the batch's tensors disagree on dim 0 (sizes {sorted(sizes)}); they must agree.")
-    size = sizes.pop()
-    unit = num_microbatches * divisor
-    if size % unit:
+    return sizes.pop()
+
+
+def microbatch_count(batch_size: int, num_microbatches: int, divisor: int) -> int:
+    """The number of microbatches for a batch: ``num_microbatches``, or fewer for a short batch.
+
+    Every microbatch must split evenly over every dp size (``divisor`` = their lcm). A short last
+    batch (``drop_last=False``) runs with the largest count <= ``num_microbatches`` that divides
+    it; each microbatch is then weighted by its samples, so averages stay exact.
+    """
+    if batch_size % divisor:
         raise PipelineConfigError(
-            f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches} microbatches "
-            f"divisible by every dp size (lcm {divisor}); use a batch size that is a multiple of {unit} "
-            "(drop_last=True in the DataLoader avoids a short last batch)."
+            f"a batch of {batch_size} samples cannot be split evenly over the dp replicas (every microbatch must "
+            f"divide by lcm(dp sizes) = {divisor}); use a batch size that is a multiple of "
+            f"{num_microbatches * divisor} (drop_last=True in the DataLoader avoids a short last batch)."
         )
-    per = size // num_microbatches
+    return max(m for m in range(1, num_microbatches + 1) if batch_size % (m * divisor) == 0)
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor leaf of ``batch`` along dim 0 into ``num_microbatches`` equal parts.
+
+    Non-tensor leaves are handed unchanged to every microbatch.
+    """
+    leaves, spec = tree_flatten(batch)
+    per = batch_size_of(batch) // num_microbatches
     out = []
     for k in range(num_microbatches):
         part = [leaf[k * per:(k + 1) * per] if isinstance(leaf, Tensor) and leaf.dim() > 0 else leaf for leaf in leaves]
@@ -143,7 +160,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._partition: Optional[Partition] = None
         self._comm: Optional[MultiModuleCommunicator] = None
         self._runtime: Optional[PipelineRuntime] = None
-        self._schedules: dict[bool, Schedule] = {}
+        self._schedules: dict[tuple[bool, int], Schedule] = {}
+        self._no_grad_modules: frozenset[str] = frozenset()
         self._metric_names: dict[str, list[str]] = {}
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
@@ -232,6 +250,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._dp_groups = {ranks: dist.new_group(list(ranks), timeout=self._timeout) for ranks in self.layout.dp_groups()}
+        if self.world_size > 1:
+            dist.barrier()  # NCCL wants one collective before the first batched P2P
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -252,12 +272,35 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             install_pipeline_optimization(trainer)
         self._install_gradient_clipping()
         assert self._partition is not None
+        self._no_grad_modules = self._modules_without_backward(self._partition.frozen_modules)
+        self._schedules = {}
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
-            self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer
+            self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
+            no_grad_modules=self._no_grad_modules,
         )
+
+    def _modules_without_backward(self, frozen: frozenset[str]) -> frozenset[str]:
+        """Frozen modules with nothing trainable upstream: they get no backward at all."""
+        closed: set[str] = set()
+        for module in self.layout.topology.order:
+            if module in frozen and all(u in closed for u in self.layout.topology.upstream(module)):
+                closed.add(module)
+        return frozenset(closed)
+
+    def connect(self, model: Any) -> None:
+        """Attach the model; give it placeholder step methods Lightning's checks look for.
+
+        The strategy runs its own pipelined training/validation/test steps, so the module only
+        needs the pipeline hooks. Missing ``training_step`` / ``validation_step`` /
+        ``test_step`` are bound to placeholders that explain this if called directly.
+        """
+        for name in ("training_step", "validation_step", "test_step"):
+            if not is_overridden(name, model):
+                setattr(model, name, types.MethodType(_run_by_strategy(name), model))
+        super().connect(model)
 
     def _check_fit_configuration(self, trainer: Any) -> None:
         lm = self.lightning_module
@@ -305,27 +348,36 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     # --- the pipelined steps ---------------------------------------------------------------
 
-    def _schedule(self, forward_only: bool) -> Schedule:
-        if forward_only not in self._schedules:
+    def schedule(self, forward_only: bool = False, num_microbatches: Optional[int] = None) -> Schedule:
+        """The action lists of a training (or forward-only) step, built once and cached."""
+        m = num_microbatches or self.num_microbatches
+        key = (forward_only, m)
+        if key not in self._schedules:
             name = "gpipe" if forward_only else self.schedule_name
-            self._schedules[forward_only] = build_schedule(
-                self.layout, self.num_microbatches, name, forward_only=forward_only, numbering=self.stage_numbering
+            self._schedules[key] = build_schedule(
+                self.layout, m, name, forward_only=forward_only, numbering=self.stage_numbering,
+                no_grad_modules=frozenset() if forward_only else self._no_grad_modules,
             )
-        return self._schedules[forward_only]
+        return self._schedules[key]
 
-    def _run_pipeline(self, batch: Any, forward_only: bool, keep_sink_outputs: bool = False) -> StepResult:
-        assert self._runtime is not None
-        micro = split_microbatches(batch, self.num_microbatches, self._batch_divisor)
+    def _run_pipeline(self, batch: Any, forward_only: bool, predict: bool = False) -> StepResult:
+        assert self._runtime is not None and self._comm is not None
+        m = microbatch_count(batch_size_of(batch), self.num_microbatches, self._batch_divisor)
+        micro = split_microbatches(batch, m)
+        per = batch_size_of(batch) // m
         rank = self.global_rank
 
         def shard(module: str, k: int) -> Any:
             slot = self.layout.slot(rank, module)
             assert slot is not None
-            size = tree_flatten(micro[k])[0]
-            n = next(x.shape[0] for x in size if isinstance(x, Tensor) and x.dim() > 0)
-            return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, n))
+            return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per))
 
-        return self._runtime.run(self._schedule(forward_only), shard, keep_sink_outputs=keep_sink_outputs)
+        result = self._runtime.run(
+            self.schedule(forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
+        )
+        self._comm.wait_sends()
+        self._comm.discard_backward_state()  # specs of channels that carried no gradient
+        return result
 
     def reduce_metrics(self, local: Mapping[str, Tensor], stage: str) -> dict[str, Tensor]:
         """Sum every rank's metric shares over the world, so every rank holds the same values."""
@@ -367,7 +419,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
         metrics = self.reduce_metrics(result.metric_sums, "train")
-        self._log_metrics("train", metrics, _batch_size(batch), on_step=True)
+        self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
         return {"loss": metrics["loss"]}
 
     def synchronize_gradients(self) -> None:
@@ -405,10 +457,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, lm)
 
     def _evaluation_step(self, prefix: str, batch: Any) -> dict[str, Tensor]:
-        with self.precision_plugin.val_step_context() if prefix == "val" else self.precision_plugin.test_step_context():
+        context = self.precision_plugin.val_step_context if prefix == "val" else self.precision_plugin.test_step_context
+        with context():
             result = self._run_pipeline(batch, forward_only=True)
         metrics = self.reduce_metrics(result.metric_sums, prefix)
-        self._log_metrics(prefix, metrics, _batch_size(batch), on_step=False)
+        self._log_metrics(prefix, metrics, batch_size_of(batch), on_step=False)
         return {f"{prefix}_{n}": v for n, v in metrics.items()}
 
     def validation_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
@@ -416,6 +469,39 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     def test_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         return self._evaluation_step("test", args[0] if args else kwargs["batch"])
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward-only pipelined step; returns the sink output for the whole batch on every rank.
+
+        The outputs of every microbatch and dp replica are gathered and concatenated along the
+        sink's ``batch_dim`` in sample order. With several sinks, a dict ``{sink: output}``.
+        """
+        batch = args[0] if args else kwargs["batch"]
+        with self.precision_plugin.predict_step_context():
+            result = self._run_pipeline(batch, forward_only=True, predict=True)
+        return self._gather_sink_outputs(result.sink_outputs)
+
+    def _gather_sink_outputs(self, local: Mapping[int, Mapping[str, Any]]) -> Any:
+        mine = {}
+        for k, per_sink in local.items():
+            for sink, out in per_sink.items():
+                replica = self.layout.slot(self.global_rank, sink).replica  # type: ignore[union-attr]
+                mine[(sink, replica, k)] = _to_cpu(out)
+        if self.world_size > 1:
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        pieces: dict[tuple[str, int, int], Any] = {}
+        for part in parts:
+            pieces.update(part)
+        outputs = {}
+        for sink in self.layout.topology.sinks:
+            ordered = [
+                pieces[key] for key in sorted((key for key in pieces if key[0] == sink), key=lambda key: (key[2], key[1]))
+            ]
+            outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
+        return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
 
     # --- gradient clipping over the whole model --------------------------------------------
 
@@ -491,6 +577,15 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     __repr__ = __str__
 
 
-def _batch_size(batch: Any) -> int:
-    leaves, _ = tree_flatten(batch)
-    return next(x.shape[0] for x in leaves if isinstance(x, Tensor) and x.dim() > 0)
+def _to_cpu(payload: Any) -> Any:
+    return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
+
+
+def _run_by_strategy(name: str) -> Any:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__}.{name} is run by MultiModulePipelineStrategy as a pipelined step; it was bound "
+            "only so Lightning enables the loop. Define it yourself to use the module without the strategy."
+        )
+
+    return step

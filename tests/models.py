@@ -68,11 +68,12 @@ class MultiModalModel(L.LightningModule):
     """
 
     def __init__(self, topology: Mapping[str, Sequence[str]], llm_layers: int = 4, lr: float = 0.1,
-                 optimizer: str = "sgd") -> None:
+                 optimizer: str = "sgd", freeze: Sequence[str] = (), scheduler: str | None = None) -> None:
         super().__init__()
         self.topology = {k: list(v) for k, v in topology.items()}
         self.lr = lr
         self.optimizer_name = optimizer
+        self.scheduler = scheduler
         torch.manual_seed(1234)
         for name in self.topology:
             if name.startswith("enc"):
@@ -83,6 +84,8 @@ class MultiModalModel(L.LightningModule):
                 self.dec = nn.Sequential(Decoder(), nn.Tanh(), nn.Linear(4, 4))
             else:
                 raise ValueError(name)
+        for name in freeze:
+            getattr(self, name).requires_grad_(False)
 
     # --- the pipeline contract --------------------------------------------------------------
 
@@ -115,10 +118,25 @@ class MultiModalModel(L.LightningModule):
         self.log("val_loss", loss)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = run_unpipelined(self, self.topology, batch)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        _, outputs = run_unpipelined(self, self.topology, batch)
+        return outputs[[m for m, d in self.topology.items() if not d][0]]
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        if self.scheduler is None:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler}}
 
 
 class SyntheticDataset(Dataset):

@@ -79,9 +79,20 @@ def _check(per_rank, reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_matches_single_process(layout):
     topology, placements, m, batch_size = LAYOUTS[layout]
-    world = max(p.size + (p.rank_offset or 0) for p in placements.values())
     world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
     reference = _reference(topology, batch_size, "sgd", None)
     per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "sgd", None,
+                               timeout=180, init_pg=False)
+    _check(per_rank, reference)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["fanin_enc_dp2-llm", "enc_pp2-llm_pp2_dp2", "2enc_colocated-llm_pp2"])
+def test_pipeline_matches_single_process_with_gradient_clipping(layout):
+    """Clipping by the global norm over every module and rank, dp replicas counted once."""
+    topology, placements, m, batch_size = LAYOUTS[layout]
+    world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
+    reference = _reference(topology, batch_size, "adam", 0.05)
+    per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "adam", 0.05,
                                timeout=180, init_pg=False)
     _check(per_rank, reference)

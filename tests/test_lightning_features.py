@@ -1,0 +1,165 @@
+"""The strategy is a full Lightning citizen: evaluation, predict, metrics, clipping, schedulers,
+loggers, precision, seeding and frozen modules, on a fan-in layout and a pp>=2 layout.
+
+Each launch runs many checks (starting processes costs seconds); the parent compares them with
+the same sequence run by plain Lightning on one process.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_mmpp import ModulePlacement as P
+from lightning_mmpp import MultiModulePipelineStrategy
+from tests.dist import run_distributed
+from tests.models import MultiModalModel, SyntheticDataset, make_loader
+
+TOPOLOGY = {"enc_a": ["llm"], "llm": []}
+LAYOUTS = {
+    "fanin": {"enc_a": P(dp=2), "llm": P()},
+    "pp2": {"enc_a": P(), "llm": P(pp=2)},
+}
+M = 4
+BS = 8
+QUIET = dict(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _val_loader() -> DataLoader:
+    # 20 samples in batches of 8: the last batch has 4, run with fewer microbatches
+    return DataLoader(SyntheticDataset(20, ["enc_a"], seed=1), batch_size=BS, shuffle=False)
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _scenario(strategy_factory, devices: int, log_dir: str) -> dict:
+    """The same sequence of Lightning calls, with or without the pipeline strategy."""
+    out: dict = {}
+
+    def trainer(**kwargs) -> L.Trainer:
+        strategy = strategy_factory()
+        extra = {"strategy": strategy} if strategy is not None else {}
+        return L.Trainer(accelerator="cpu", devices=devices, **extra, **QUIET, **kwargs)
+
+    # fit with sanity check, val_check_interval, limit_val_batches, clipping, a step scheduler,
+    # LearningRateMonitor, EarlyStopping on val_loss and a CSV logger
+    model = MultiModalModel(TOPOLOGY, scheduler="step")
+    fit = trainer(
+        max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=0.05,
+        log_every_n_steps=1,
+        logger=CSVLogger(log_dir, name="run"),
+        callbacks=[LearningRateMonitor(logging_interval="step"), EarlyStopping(monitor="val_loss", patience=3)],
+    )
+    fit.fit(model, make_loader(TOPOLOGY, BS, BS * 4), _val_loader())
+    out["params"] = _params(model)
+    out["val_loss"] = float(fit.callback_metrics["val_loss"])
+    out["lr"] = fit.optimizers[0].param_groups[0]["lr"]
+    # validate / test / predict on the trained model, with a short last batch
+    out["validate"] = fit.validate(model, _val_loader(), verbose=False)
+    out["test"] = fit.test(model, _val_loader(), verbose=False)
+    out["predict"] = fit.predict(model, _val_loader())
+
+    # value clipping and an epoch scheduler
+    model = MultiModalModel(TOPOLOGY, scheduler="epoch")
+    run = trainer(max_epochs=2, gradient_clip_val=0.01, gradient_clip_algorithm="value", logger=False,
+                  limit_val_batches=0)
+    run.fit(model, make_loader(TOPOLOGY, BS, BS * 2))
+    out["value_clip_params"] = _params(model)
+    out["epoch_lr"] = run.optimizers[0].param_groups[0]["lr"]
+
+    # a frozen encoder
+    model = MultiModalModel(TOPOLOGY, freeze=("enc_a",))
+    run = trainer(max_steps=2, logger=False, limit_val_batches=0)
+    run.fit(model, make_loader(TOPOLOGY, BS, BS * 2))
+    out["frozen_params"] = _params(model)
+    comm = getattr(run.strategy, "communicator", None)
+    out["frozen_stats"] = comm.stats.as_dict() if comm is not None else None
+    return out
+
+
+def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
+    def factory():
+        return MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=M)
+
+    out = _scenario(factory, world, log_dir)
+    # bf16 autocast on CPU
+    model = MultiModalModel(TOPOLOGY)
+    run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), precision="bf16-mixed", max_steps=2,
+                    logger=False, limit_val_batches=0, **QUIET)
+    run.fit(model, make_loader(TOPOLOGY, BS, BS * 2))
+    out["bf16_loss"] = float(run.callback_metrics["train_loss"])
+    # seed_everything makes two shuffled runs identical
+    seeded = []
+    for _ in range(2):
+        L.seed_everything(7, verbose=False)
+        model = MultiModalModel(TOPOLOGY)
+        run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=3, logger=False,
+                        limit_val_batches=0, **QUIET)
+        run.fit(model, DataLoader(SyntheticDataset(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
+        seeded.append(_params(model))
+    out["seeded"] = seeded
+    return out
+
+
+def _assert_same_everywhere(per_rank, key):
+    values = [r[key] for r in per_rank]
+    assert all(v == values[0] for v in values), f"{key} differs across ranks: {values}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lightning_features(layout, tmp_path):
+    placements = LAYOUTS[layout]
+    world = MultiModulePipelineStrategy(placements, TOPOLOGY, M).layout.world_size
+    reference = _scenario(lambda: None, 1, str(tmp_path / "ref"))
+    per_rank = run_distributed(_pipelined_extras, world, placements, str(tmp_path / "pp"), timeout=200, init_pg=False)
+
+    def close(a, b, what):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
+
+    for key in ("val_loss", "lr", "epoch_lr", "bf16_loss"):
+        _assert_same_everywhere(per_rank, key)
+    for rank, result in enumerate(per_rank):
+        for name, value in result["params"].items():  # clipping (global norm) + step scheduler
+            close(value, reference["params"][name], f"rank {rank} {name}")
+        for name, value in result["value_clip_params"].items():
+            close(value, reference["value_clip_params"][name], f"value clip {name}")
+        for name, value in result["frozen_params"].items():
+            close(value, reference["frozen_params"][name], f"frozen {name}")
+        assert math.isclose(result["val_loss"], reference["val_loss"], rel_tol=1e-5)
+        assert result["lr"] == reference["lr"] and result["epoch_lr"] == reference["epoch_lr"]
+        # trainer.validate / trainer.test return the reduced metrics, short last batch included
+        assert result["validate"][0]["val_loss"] == pytest.approx(reference["validate"][0]["val_loss"], rel=1e-5)
+        assert result["test"][0]["test_loss"] == pytest.approx(reference["test"][0]["test_loss"], rel=1e-5)
+        # predict: the sink output of every batch, in order, gathered over dp replicas
+        assert len(result["predict"]) == len(reference["predict"]) == 3
+        for ours, ref in zip(result["predict"], reference["predict"]):
+            close(ours, ref, "predict")
+        assert math.isfinite(result["bf16_loss"])
+        first, second = result["seeded"]
+        for name in first:
+            assert torch.equal(first[name], second[name]), f"seeded runs differ on {name}"
+    # the frozen encoder runs no backward: its ranks receive no gradient message at all
+    enc_ranks = list(MultiModulePipelineStrategy(placements, TOPOLOGY, M).layout.module_ranks("enc_a"))
+    for rank in enc_ranks:
+        assert per_rank[rank]["frozen_stats"]["messages_received"] == 0
+        assert per_rank[rank]["frozen_stats"]["messages_sent"] > 0
+    for name, value in per_rank[enc_ranks[0]]["frozen_params"].items():
+        assert torch.equal(value, MultiModalModel(TOPOLOGY).state_dict()[name]), "frozen encoder changed"
+    # rank 0 wrote the CSV log with the reduced metrics and the learning rate
+    files = glob.glob(str(tmp_path / "pp" / "run" / "*" / "metrics.csv"))
+    assert len(files) == 1
+    with open(files[0]) as f:
+        columns = set(csv.DictReader(f).fieldnames or [])
+    assert {"train_loss", "val_loss", "lr-SGD"} <= columns, columns
