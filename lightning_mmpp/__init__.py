@@ -3,12 +3,16 @@
 ``Trainer(strategy=MultiModulePipelineStrategy(placements, topology, num_microbatches))``
 trains a LightningModule whose modules (vision / audio encoders, a language model, ...) each
 get their own ranks, pipeline depth and data-parallel size.
+
+The strategy (and with it Lightning, several seconds to import) loads on first use, so the
+lower layers (topology, placement, schedule, simulator) import without Lightning.
 """
+
+from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.reference import run_unpipelined
-from lightning_mmpp.strategy import MultiModulePipelineStrategy
 from lightning_mmpp.topology import ModuleTopology
 
 __all__ = [
@@ -20,3 +24,11 @@ __all__ = [
     "StageSlot",
     "run_unpipelined",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MultiModulePipelineStrategy":
+        from lightning_mmpp.strategy import MultiModulePipelineStrategy
+
+        return MultiModulePipelineStrategy
+    raise AttributeError(f"module 'lightning_mmpp' has no attribute {name!r}")

@@ -165,7 +165,14 @@ class PipelineRuntime:
         sends = self._collect_sends(step, action.sends)
         recv_keys = list(dict.fromkeys(_key(t) for t in action.recvs))
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
-            got = self.comm.exchange(sends, recv_keys)
+            try:
+                got = self.comm.exchange(sends, recv_keys)
+            except RuntimeError as err:
+                peers = sorted({t.peer for t in action.sends + action.recvs})
+                raise RuntimeError(
+                    f"rank {self.rank}: a transfer with rank(s) {peers} failed during the pipeline step. If a peer "
+                    f"raised an error, its message (on that rank) is the cause. Transport error: {err}"
+                ) from err
         for key, payload in got.items():
             if key.direction == FORWARD:
                 step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload

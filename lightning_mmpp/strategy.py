@@ -34,6 +34,7 @@ from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from lightning_mmpp.checkpoint import PipelineCheckpointMixin
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.data_parallel import sum_gradients
 from lightning_mmpp.errors import PipelineConfigError
@@ -60,14 +61,15 @@ def batch_size_of(batch: Any) -> int:
     return sizes.pop()
 
 
-def microbatch_count(batch_size: int, num_microbatches: int, divisor: int) -> int:
+def microbatch_count(batch_size: int, num_microbatches: int, divisor: int, short: bool = False) -> int:
     """The number of microbatches for a batch: ``num_microbatches``, or fewer for a short batch.
 
-    Every microbatch must split evenly over every dp size (``divisor`` = their lcm). A short last
-    batch (``drop_last=False``) runs with the largest count <= ``num_microbatches`` that divides
-    it; each microbatch is then weighted by its samples, so averages stay exact.
+    Every microbatch must split evenly over every dp size (``divisor`` = their lcm). A full batch
+    must divide by ``num_microbatches * divisor``. A ``short`` batch (the last one, with
+    ``drop_last=False``) runs with the largest count <= ``num_microbatches`` that divides it;
+    metrics weight each batch by its samples, so averages stay exact.
     """
-    if batch_size % divisor:
+    if batch_size % divisor or (not short and batch_size % (num_microbatches * divisor)):
         raise PipelineConfigError(
             f"a batch of {batch_size} samples cannot be split evenly over the dp replicas (every microbatch must "
             f"divide by lcm(dp sizes) = {divisor}); use a batch size that is a multiple of "
@@ -95,7 +97,7 @@ def slice_batch(batch: Any, index: slice) -> Any:
     return spec.unflatten([x[index] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves])
 
 
-class MultiModulePipelineStrategy(ParallelStrategy):
+class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
     Each module (an ``nn.Sequential`` / ``nn.ModuleList`` attribute of the LightningModule
@@ -162,6 +164,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._runtime: Optional[PipelineRuntime] = None
         self._schedules: dict[tuple[bool, int], Schedule] = {}
         self._no_grad_modules: frozenset[str] = frozenset()
+        self._largest_batch = 0  # a batch smaller than one seen before is a short last batch
+        self._in_pipeline_step = False
         self._metric_names: dict[str, list[str]] = {}
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
@@ -362,7 +366,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     def _run_pipeline(self, batch: Any, forward_only: bool, predict: bool = False) -> StepResult:
         assert self._runtime is not None and self._comm is not None
-        m = microbatch_count(batch_size_of(batch), self.num_microbatches, self._batch_divisor)
+        size = batch_size_of(batch)
+        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < self._largest_batch)
+        self._largest_batch = max(self._largest_batch, size)
         micro = split_microbatches(batch, m)
         per = batch_size_of(batch) // m
         rank = self.global_rank
@@ -372,9 +378,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             assert slot is not None
             return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per))
 
+        self._in_pipeline_step = True
         result = self._runtime.run(
             self.schedule(forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
         )
+        self._in_pipeline_step = False
         self._comm.wait_sends()
         self._comm.discard_backward_state()  # specs of channels that carried no gradient
         return result
@@ -550,6 +558,16 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
+
+    def on_exception(self, exception: BaseException) -> None:
+        """An error inside a pipeline step (a bad ``pipeline_loss`` on a sink rank, say) is
+        raised on one rank while its peers wait for its messages. Tearing down the process group
+        makes their transfers fail at once instead of after the process-group timeout."""
+        if self._in_pipeline_step and self.world_size > 1 and _distributed_is_initialized():
+            log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
+            self._dp_groups = {}
+            dist.destroy_process_group()
+        self._in_pipeline_step = False
 
     def _write_trace(self) -> None:
         if not self._tracer.enabled or self.trace_dir is None:

@@ -1,0 +1,45 @@
+"""Export a pipeline checkpoint directory to one ordinary Lightning ``.ckpt`` file.
+
+    python -m lightning_mmpp.export CKPT_DIR OUT.ckpt
+
+The result loads with ``MyModule.load_from_checkpoint(OUT.ckpt)`` on one process, without the
+strategy, or resumes a single-process ``Trainer.fit(model, ckpt_path=OUT.ckpt)``. See
+:mod:`lightning_mmpp.checkpoint` for both formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from lightning_mmpp.checkpoint import export_checkpoint
+
+__all__ = ["export_checkpoint", "main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mmpp.export",
+        description="Turn a MultiModulePipelineStrategy checkpoint directory into one Lightning .ckpt file.",
+    )
+    parser.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/epoch=0-step=3.ckpt)")
+    parser.add_argument("out", help="the .ckpt file to write")
+    parser.add_argument(
+        "--unsafe-load", action="store_true",
+        help="load meta.pt with torch.load(weights_only=False), for checkpoints whose hooks saved arbitrary objects "
+        "(only for checkpoints you trust)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint_dir, args.out, weights_only=False if args.unsafe_load else None)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

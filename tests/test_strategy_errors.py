@@ -1,0 +1,147 @@
+"""User mistakes raise PipelineConfigError naming the fix, on every rank, before any collective."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mmpp import ModulePlacement as P
+from lightning_mmpp import MultiModulePipelineStrategy, PipelineConfigError
+from tests.dist import run_distributed
+from tests.models import MultiModalModel, make_loader
+
+TOPOLOGY = {"enc_a": ["llm"], "llm": []}
+QUIET = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+             enable_model_summary=False, limit_val_batches=0, max_steps=1)
+
+
+def test_construction_errors_and_table():
+    with pytest.raises(PipelineConfigError, match="unknown schedule 'zb'"):
+        MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, 4, schedule="zb")
+    with pytest.raises(PipelineConfigError, match="num_microbatches=0"):
+        MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, 0)
+    with pytest.raises(PipelineConfigError, match="stage numbering"):
+        MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, 4, stage_numbering="middle")
+    with pytest.raises(PipelineConfigError, match="cycle"):
+        MultiModulePipelineStrategy({"a": P(), "b": P()}, {"a": ["b"], "b": ["a"]}, 4)
+    with pytest.raises(PipelineConfigError, match="no placement"):
+        MultiModulePipelineStrategy({"enc_a": P()}, TOPOLOGY, 4)
+    strategy = MultiModulePipelineStrategy({"enc_a": P(dp=2), "llm": P(pp=2)}, TOPOLOGY, 4)
+    text = str(strategy)
+    assert "rank  module  stage  replica  global-stage" in text
+    assert "3     llm     1/2    0/1      2" in text
+
+
+class _NoLoss(MultiModalModel):
+    pipeline_loss = None  # type: ignore[assignment]
+
+
+class _NoContainer(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.llm = nn.Linear(2, 2)  # not a Sequential / ModuleList
+
+
+class _StrayParameter(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+class _Manual(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.automatic_optimization = False
+
+
+class _VectorLoss(MultiModalModel):
+    def pipeline_loss(self, output, batch):
+        return output.sum(-1)
+
+
+def _fit_errors(rank: int, world: int) -> dict[str, str]:
+    placements = {"enc_a": P(rank_offset=0), "llm": P(rank_offset=0)} if world == 1 else {"enc_a": P(), "llm": P()}
+    cases = {
+        "no_hook": (_NoLoss(TOPOLOGY), {}, 8),
+        "no_container": (_NoContainer(), {}, 8),
+        "stray_parameter": (_StrayParameter(), {}, 8),
+        "manual": (_Manual(), {}, 8),
+        "accumulate": (MultiModalModel(TOPOLOGY), {"accumulate_grad_batches": 2}, 8),
+        "batch": (MultiModalModel(TOPOLOGY), {}, 6),
+        "vector_loss": (_VectorLoss(TOPOLOGY), {}, 8),
+    }
+    if world > 1:
+        cases = {k: cases[k] for k in ("batch", "no_container")}
+    messages = {}
+    for name, (model, kwargs, batch_size) in cases.items():
+        strategy = MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=4)
+        trainer = L.Trainer(devices=world, strategy=strategy, **QUIET, **kwargs)
+        try:
+            trainer.fit(model, make_loader(TOPOLOGY, batch_size, batch_size * 2))
+            messages[name] = "no error"
+        except PipelineConfigError as err:
+            messages[name] = str(err)
+    return messages
+
+
+EXPECTED = {
+    "no_hook": "pipeline_loss",
+    "no_container": "nn.Sequential or nn.ModuleList",
+    "stray_parameter": "not inside any pipelined module",
+    "manual": "manual optimization",
+    "accumulate": "num_microbatches",
+    "batch": "multiple of 4",
+    "vector_loss": "reduce it to a scalar",
+}
+
+
+@pytest.mark.timeout(120)
+def test_fit_errors_single_rank():
+    (messages,) = run_distributed(_fit_errors, 1, timeout=100, init_pg=False)
+    for name, fragment in EXPECTED.items():
+        assert fragment in messages[name], f"{name}: {messages[name]}"
+
+
+@pytest.mark.timeout(120)
+def test_fit_errors_raise_identically_on_every_rank():
+    per_rank = run_distributed(_fit_errors, 2, timeout=100, init_pg=False)
+    assert per_rank[0] == per_rank[1]
+    for name, message in per_rank[0].items():
+        assert EXPECTED[name] in message, f"{name}: {message}"
+
+
+def _world_mismatch(rank: int, world: int) -> str:
+    strategy = MultiModulePipelineStrategy({"enc_a": P(dp=2), "llm": P()}, TOPOLOGY, num_microbatches=2)
+    trainer = L.Trainer(devices=world, strategy=strategy, **QUIET)
+    try:
+        trainer.fit(MultiModalModel(TOPOLOGY), make_loader(TOPOLOGY, 8, 16))
+    except PipelineConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_world_size_mismatch_raises_on_every_rank():
+    messages = run_distributed(_world_mismatch, 2, timeout=100, init_pg=False)
+    for message in messages:
+        assert "need 3 ranks" in message and "world has 2" in message and "devices=3" in message, message
+
+
+def _sink_only_error(rank: int, world: int) -> str:
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, num_microbatches=4)
+    trainer = L.Trainer(devices=world, strategy=strategy, **QUIET)
+    try:
+        trainer.fit(_VectorLoss(TOPOLOGY), make_loader(TOPOLOGY, 8, 16))
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_error_on_one_rank_stops_its_peers():
+    """pipeline_loss runs on the sink rank only; its peers must fail fast, not hang."""
+    encoder, sink = run_distributed(_sink_only_error, 2, timeout=60, init_pg=False)
+    assert "PipelineConfigError" in sink and "reduce it to a scalar" in sink, sink
+    assert "failed during the pipeline step" in encoder, encoder
