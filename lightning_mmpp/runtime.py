@@ -21,7 +21,7 @@ from lightning_mmpp.comm import MessageKey
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
-from lightning_mmpp.schedule import BACKWARD, FORWARD, Compute, Exchange, Schedule, Transfer
+from lightning_mmpp.schedule import BACKWARD, FORWARD, Exchange, Schedule, Transfer
 from lightning_mmpp.trace import NULL_TRACER, Tracer
 
 

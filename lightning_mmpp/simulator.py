@@ -30,6 +30,7 @@ class SimulationResult:
     step_time: float
     busy: tuple[float, ...]  # compute time per rank
     peak_stashed: tuple[int, ...]  # max (module, microbatch) activations held per rank
+    computes: tuple[tuple[int, float, float, Compute], ...] = ()  # (rank, start, end, action)
 
     @property
     def bubble_fraction(self) -> float:
@@ -80,6 +81,7 @@ def simulate(
     trained = {
         (rank, a.module) for rank in range(world) for a in actions[rank] if isinstance(a, Compute) and a.phase != FORWARD
     }
+    computes: list[tuple[int, float, float, Compute]] = []
     pc = [0] * world
     clock = [0.0] * world
     busy = [0.0] * world
@@ -97,6 +99,7 @@ def simulate(
                 if isinstance(action, Compute):
                     stage = layout.slot(rank, action.module).stage
                     cost = fwd(action.module, stage) if action.phase == FORWARD else bwd(action.module, stage)
+                    computes.append((rank, clock[rank], clock[rank] + cost, action))
                     clock[rank] += cost
                     busy[rank] += cost
                     if (rank, action.module) in trained:
@@ -122,4 +125,22 @@ def simulate(
         if not progressed:
             stuck = {r: str(actions[r][pc[r]]) for r in range(world) if pc[r] < len(actions[r])}
             raise DeadlockError(f"deadlock: ranks wait at {stuck}")
-    return SimulationResult(step_time=max(clock), busy=tuple(busy), peak_stashed=tuple(peak))
+    return SimulationResult(
+        step_time=max(clock), busy=tuple(busy), peak_stashed=tuple(peak), computes=tuple(computes)
+    )
+
+
+def render_timeline(result: SimulationResult, world_size: int, unit: float = 1.0) -> str:
+    """A text Gantt chart: one row per rank, one cell per ``unit`` of virtual time.
+
+    Each compute shows as ``F<k>`` / ``B<k>`` in its first cell (``.`` while idle), so a
+    schedule run with unit costs reads like the usual 1F1B diagrams.
+    """
+    cells = int(round(result.step_time / unit))
+    rows = [["  ."] * cells for _ in range(world_size)]
+    for rank, start, end, action in result.computes:
+        first = int(round(start / unit))
+        label = f"{'F' if action.phase == FORWARD else 'B'}{action.microbatch}"
+        for i in range(first, int(round(end / unit))):
+            rows[rank][i] = f"{label:>3}" if i == first else "  -"
+    return "\n".join(f"rank {r}" + "".join(row) for r, row in enumerate(rows))
