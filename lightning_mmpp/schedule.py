@@ -43,11 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from lightning_mmpp.comm import BACKWARD, FORWARD
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import PipelineLayout, StageSlot
 
-FORWARD = "forward"
-BACKWARD = "backward"
 SCHEDULES = ("1f1b", "gpipe")
 NUMBERINGS = ("alap", "asap")
 
