@@ -388,21 +388,26 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         return result
 
     def reduce_metrics(self, local: Mapping[str, Tensor], stage: str) -> dict[str, Tensor]:
-        """Sum every rank's metric shares over the world, so every rank holds the same values."""
+        """Sum every rank's metric shares over the world, so every rank holds the same values.
+
+        Only sink ranks know the metric names. They are gathered once per stage and cached;
+        the one all-reduce per step carries a flag that is non-zero when any rank saw a name
+        outside the cache, and then the names are gathered again.
+        """
         names = self._metric_names.get(stage, [])
         while True:
             unknown = float(any(n not in names for n in local))
-            vector = torch.stack(
-                [local[n].to(self.root_device, torch.float32) if n in local else torch.zeros((), device=self.root_device)
-                 for n in names]
-                + [torch.tensor(unknown, device=self.root_device)]
-            )
+            zero = torch.zeros((), device=self.root_device)
+            values = [local[n].to(self.root_device, torch.float32) if n in local else zero for n in names]
+            vector = torch.stack(values + [torch.tensor(unknown, device=self.root_device)])
             if self.world_size > 1:
                 dist.all_reduce(vector, op=ReduceOp.SUM)
             if vector[-1].item() == 0:
                 return {n: vector[i] for i, n in enumerate(names)}
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, sorted(local)) if self.world_size > 1 else gathered.__setitem__(0, sorted(local))
+            gathered: list[Any] = [sorted(local)]
+            if self.world_size > 1:
+                gathered = [None] * self.world_size
+                dist.all_gather_object(gathered, sorted(local))
             names = sorted({n for part in gathered for n in part})
             self._metric_names[stage] = names
 
