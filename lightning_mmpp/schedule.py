@@ -29,6 +29,10 @@ The in-flight limit is what makes the schedule 1F1B or GPipe:
   ``numbering="asap"`` is there for a layout where that matters.
 * ``"gpipe"``: all forwards of a module, then all its backwards.
 
+Colocated modules keep one limit each, from their own stage index: a rank holding a short
+encoder branch and the first LM stage warms each up by its own depth, rather than by "the first
+module of the rank" (Megatron's open TODO).
+
 Modules in ``no_grad_modules`` (no trainable parameter, nothing trainable upstream — a frozen
 encoder) get forwards only: no backward, no gradient transfer, no in-flight limit.
 
