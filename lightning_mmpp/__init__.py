@@ -22,6 +22,7 @@ __all__ = [
     "PipelineConfigError",
     "PipelineLayout",
     "StageSlot",
+    "export_checkpoint",
     "run_unpipelined",
 ]
 
@@ -31,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from lightning_mmpp.strategy import MultiModulePipelineStrategy
 
         return MultiModulePipelineStrategy
+    if name == "export_checkpoint":
+        from lightning_mmpp.checkpoint import export_checkpoint
+
+        return export_checkpoint
     raise AttributeError(f"module 'lightning_mmpp' has no attribute {name!r}")

@@ -153,13 +153,29 @@ def _check_files(path: Path, metadata: Metadata, fqns: Iterable[str]) -> None:
 
 def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
-    info = meta.get("mmpp", {})
+    info = meta.get("mmpp") if isinstance(meta, dict) else None
+    if not isinstance(info, dict):
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} was not written by MultiModulePipelineStrategy (its {META_FILE} has no 'mmpp' "
+            "entry); resume it with the strategy that wrote it."
+        )
     if info.get("format") != FORMAT_VERSION:
         raise PipelineConfigError(
             f"checkpoint {str(path)!r} has format {info.get('format')!r}; this version of lightning_mmpp reads "
             f"format {FORMAT_VERSION}."
         )
     return meta
+
+
+def _local_path(path: PathLike) -> Path:
+    text = os.fspath(path)
+    if "://" in text:
+        raise PipelineConfigError(
+            f"checkpoint path {text!r}: MultiModulePipelineStrategy writes checkpoints with "
+            "torch.distributed.checkpoint's FileSystemWriter, to a local or shared file system path; remote URLs "
+            "are not supported. Save to a path every rank can reach and copy it afterwards."
+        )
+    return Path(text)
 
 
 def _empty_like_stored(md: Any) -> Any:
@@ -335,11 +351,17 @@ class PipelineCheckpointMixin:
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the checkpoint is "
                 "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
             )
-        path = Path(self.broadcast(os.fspath(filepath)))  # one path for all ranks
+        path = _local_path(self.broadcast(os.fspath(filepath)))  # one path for all ranks
         rank = self.global_rank
+        problem = None
         if rank == 0:
-            _prepare_directory(path)
-        self.barrier()
+            try:
+                _prepare_directory(path)
+            except OSError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        problem = self.broadcast(problem)  # also the barrier before anyone writes
+        if problem is not None:
+            raise OSError(f"cannot write the checkpoint directory {str(path)!r}: {problem}")
 
         state_dict: Mapping[str, Any] = checkpoint.get("state_dict", {})
         optimizer_states: Optional[list[dict[str, Any]]] = checkpoint.get("optimizer_states")
@@ -392,7 +414,7 @@ class PipelineCheckpointMixin:
         rank's (``optimizer_states`` index-keyed for the rank's optimizers, ready for
         ``optimizer.load_state_dict``). Restores this rank's RNG states when fitting.
         """
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        path_text = self.broadcast(os.fspath(checkpoint_path))  # one path for all ranks
         lm = self.lightning_module
         trainer = getattr(lm, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -403,6 +425,7 @@ class PipelineCheckpointMixin:
         failure: Optional[BaseException] = None
         plan: dict[str, Any] = {}
         try:
+            path = _local_path(path_text)
             metadata = _read_metadata(path)
             meta = _load_meta(path, weights_only)
             plan = self._plan_load(path, metadata, meta, local_state, strict, fitting)
@@ -443,7 +466,7 @@ class PipelineCheckpointMixin:
                 for opt_plan in plan["optimizers"]
             ]
         if fitting and plan["rng"] is not None:
-            _set_rng_state(torch.load(plan["rng"], weights_only=True), self.root_device)
+            _set_rng_state(plan["rng"], self.root_device)
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -546,12 +569,13 @@ class PipelineCheckpointMixin:
         if fitting:
             saved_world = int(meta["mmpp"].get("world_size", 0))
             if self.global_rank < saved_world:
-                rng = path / _rng_file(self.global_rank)
-                if not rng.is_file():
+                rng_file = path / _rng_file(self.global_rank)
+                if not rng_file.is_file():
                     raise FileNotFoundError(
-                        f"checkpoint {str(path)!r} is missing the RNG file {rng.name!r} of rank {self.global_rank} "
-                        f"({str(rng)!r}); copy the whole checkpoint directory."
+                        f"checkpoint {str(path)!r} is missing the RNG file {rng_file.name!r} of rank "
+                        f"{self.global_rank} ({str(rng_file)!r}); copy the whole checkpoint directory."
                     )
+                rng = torch.load(rng_file, weights_only=True)
         _check_files(path, metadata, fqns)
         return {"fqns": fqns, "model": model, "optimizers": optimizers, "rng": rng}
 
@@ -651,7 +675,7 @@ def export_checkpoint(
     Returns:
         ``out_path`` as a :class:`~pathlib.Path`.
     """
-    path = Path(checkpoint_dir)
+    path = _local_path(checkpoint_dir)
     metadata = _read_metadata(path)
     meta = _load_meta(path, weights_only)
     fqns = [fqn for fqn in metadata.state_dict_metadata if fqn.startswith((MODEL_PREFIX, OPTIM_PREFIX))]

@@ -70,6 +70,7 @@ class MultiModalModel(L.LightningModule):
     def __init__(self, topology: Mapping[str, Sequence[str]], llm_layers: int = 4, lr: float = 0.1,
                  optimizer: str = "sgd", freeze: Sequence[str] = (), scheduler: str | None = None) -> None:
         super().__init__()
+        self.save_hyperparameters()  # load_from_checkpoint rebuilds the model from these
         self.topology = {k: list(v) for k, v in topology.items()}
         self.lr = lr
         self.optimizer_name = optimizer
