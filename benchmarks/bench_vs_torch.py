@@ -1,0 +1,160 @@
+"""lightning_mmpp against ``torch.distributed.pipelining`` on the same sleep stages (gloo, CPU).
+
+    python benchmarks/bench_vs_torch.py
+
+Both sides run the same :class:`~benchmarks.common.SleepStage` modules (forward sleeps ``tf``,
+backward ``tb``) on the same forked gloo processes, taking turns round by round:
+
+* ours: lightning_mmpp's layout + communicator + schedule + runtime (1F1B or GPipe);
+* torch: one ``PipelineStage`` per rank (explicit input/output examples) driven by
+  ``Schedule1F1B`` or ``ScheduleGPipe``.
+
+Two workloads:
+
+* chain: one module in P stages (P=4, and P=8 with ``--p8``); the same work for both.
+* two encoders -> LM (enc_a pp=2, enc_b pp=1, llm pp=2; 5 ranks). torch.distributed.pipelining
+  runs a linear chain of stages only, so it must chain the encoders (enc_a s0 -> enc_a s1 ->
+  enc_b -> llm s0 -> llm s1: 5 stages deep); ours runs enc_b beside enc_a (depth 4). The
+  ``ours chained`` row runs our schedule on the same 5-stage chain, to separate what the DAG
+  saves from what the implementation costs.
+
+Step time = the median over the timed steps of the slowest rank (barrier, then one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    OurPipeline, SleepStage, chain, interleaved, machine, median, section, table, two_encoders,
+)
+from tests.dist import run_distributed  # noqa: E402
+
+MB_SHAPE = (8, 1024)
+
+
+class TorchPipeline:
+    """This rank's stage of a ``world``-stage chain under torch.distributed.pipelining."""
+
+    def __init__(self, rank: int, world: int, m: int, tf: float, tb: float) -> None:
+        self.rank, self.world, self.m = rank, world, m
+        self.module = SleepStage(tf, tb)
+        # the examples' requires_grad tells torch that activations and their gradients cross stages
+        example = torch.zeros(*MB_SHAPE, requires_grad=True)
+        self.schedules = {}
+        for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+            stage = PipelineStage(self.module, rank, world, torch.device("cpu"), input_args=example,
+                                  output_args=example)
+            self.schedules[name] = cls(stage, m, loss_fn=lambda out, target: out.pow(2).mean())
+        g = torch.Generator().manual_seed(0)
+        self.batch = torch.randn(m * MB_SHAPE[0], *MB_SHAPE[1:], generator=g)
+        self.target = torch.zeros(m * MB_SHAPE[0], 1)
+
+    def step(self, name: str) -> float:
+        import time
+
+        import torch.distributed as dist
+
+        self.module.scale.grad = None
+        schedule = self.schedules[name]
+        dist.barrier()
+        start = time.perf_counter()
+        if self.rank == 0:
+            schedule.step(self.batch)
+        elif self.rank == self.world - 1:
+            schedule.step(target=self.target, losses=[])
+        else:
+            schedule.step()
+        return time.perf_counter() - start
+
+
+def worker_chain(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
+    ours = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    theirs = TorchPipeline(rank, world, m, tf, tb)
+    runs = {
+        "ours 1f1b": lambda: ours.step("1f1b")[0],
+        "torch 1f1b": lambda: theirs.step("1f1b"),
+        "ours gpipe": lambda: ours.step("gpipe")[0],
+        "torch gpipe": lambda: theirs.step("gpipe"),
+    }
+    return interleaved(runs, rounds, steps)
+
+
+def worker_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
+    ours = OurPipeline(two_encoders(), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    ours_chained = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    theirs = TorchPipeline(rank, world, m, tf, tb)
+    runs = {
+        "ours 1f1b DAG": lambda: ours.step("1f1b")[0],
+        "torch 1f1b chained": lambda: theirs.step("1f1b"),
+        "ours 1f1b chained": lambda: ours_chained.step("1f1b")[0],
+        "ours gpipe DAG": lambda: ours.step("gpipe")[0],
+        "torch gpipe chained": lambda: theirs.step("gpipe"),
+    }
+    return interleaved(runs, rounds, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=8)
+    parser.add_argument("--tf", type=float, default=0.020)
+    parser.add_argument("--tb", type=float, default=0.040)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--p8", action="store_true", help="also the 8-stage chain")
+    args = parser.parse_args()
+    m, tf, tb = args.m, args.tf, args.tb
+    unit = tf + tb
+
+    print(f"$ python benchmarks/bench_vs_torch.py{' --p8' if args.p8 else ''}  (m={m}, tf={tf * 1e3:g} ms, "
+          f"tb={tb * 1e3:g} ms, microbatch float32 {list(MB_SHAPE)}, {args.rounds}x{args.steps} timed steps "
+          f"each; {machine()})")
+    summary = []
+    for p in (4, 8) if args.p8 else (4,):
+        section(f"Chain of {p} sleep stages: ours vs torch.distributed.pipelining")
+        times = run_distributed(worker_chain, p, m, tf, tb, args.rounds, args.steps, timeout=300)[0]
+        ideal = (m + p - 1) * unit
+        rows = []
+        for sched in ("1f1b", "gpipe"):
+            ours, theirs = median(times[f"ours {sched}"]), median(times[f"torch {sched}"])
+            for who, t in (("ours", ours), ("torch", theirs)):
+                rows.append((f"{who} {sched}", ideal * 1e3, t * 1e3, t / ideal if ideal else "-",
+                             ours / theirs if who == "ours" else ""))
+            summary.append((f"chain P={p} {sched}", ours / theirs))
+        print(table(["run", "ideal ms", "step ms", "step/ideal", "ours/torch"], rows))
+
+    section("Two encoders -> LM: ours side by side (depth 4) vs torch chained (5 stages)")
+    layout = two_encoders()
+    times = run_distributed(worker_dag, layout.world_size, m, tf, tb, args.rounds, args.steps, timeout=300)[0]
+    ideal_dag = (m + layout.depth - 1) * unit
+    ideal_chain = (m + layout.world_size - 1) * unit
+    rows = []
+    for run, ideal in (("ours 1f1b DAG", ideal_dag), ("ours 1f1b chained", ideal_chain), ("torch 1f1b chained", ideal_chain),
+                       ("ours gpipe DAG", ideal_dag), ("torch gpipe chained", ideal_chain)):
+        t = median(times[run])
+        sched = "1f1b" if "1f1b" in run else "gpipe"
+        rows.append((run, ideal * 1e3, t * 1e3, t / ideal if ideal else "-",
+                     t / median(times[f"torch {sched} chained"])))
+    print(table(["run", "ideal ms", "step ms", "step/ideal", "/torch chained"], rows))
+    dag_1f1b = median(times["ours 1f1b DAG"]) / median(times["torch 1f1b chained"])
+    dag_gpipe = median(times["ours gpipe DAG"]) / median(times["torch gpipe chained"])
+    summary += [("2enc->llm 1f1b: ours DAG / torch chained", dag_1f1b),
+                ("2enc->llm gpipe: ours DAG / torch chained", dag_gpipe),
+                ("2enc->llm 1f1b: ours DAG / ours chained",
+                 median(times["ours 1f1b DAG"]) / median(times["ours 1f1b chained"]))]
+    if ideal_chain:
+        print(f"(ideal ratio DAG/chained = (m+3)/(m+4) = {ideal_dag / ideal_chain:.3f})")
+
+    section("Summary (ratio < 1: ours faster)")
+    print(table(["comparison", "ratio"], summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Helpers shared by the process-based benchmarks: sleep stages, layouts, a step driver, tables.
+
+Stage compute is simulated with ``time.sleep`` inside a custom autograd function: the forward
+of a stage sleeps ``tf`` seconds, its backward ``tb``. A sleeping process uses no CPU, so eight
+ranks on a two-core machine still measure the schedule (who waits for whom) rather than the
+machine. What remains on the CPU is the framework: Python, packing, gloo transfers.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_mmpp.comm import MultiModuleCommunicator  # noqa: E402
+from lightning_mmpp.partition import StageRunner  # noqa: E402
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.runtime import PipelineRuntime, StepResult  # noqa: E402
+from lightning_mmpp.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.trace import Tracer  # noqa: E402
+
+P = ModulePlacement
+
+
+class Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps ``tf`` and whose backward sleeps ``tb`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
+        ctx.tb = tb
+        time.sleep(tf)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.tb)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A pipeline stage costing ``tf`` / ``tb`` seconds; one scalar parameter so that even a
+    first stage (whose input needs no gradient) runs a backward."""
+
+    def __init__(self, tf: float, tb: float) -> None:
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Sleep.apply(x * self.scale, self.tf, self.tb)
+
+
+class SleepHooks:
+    """``pipeline_inputs`` / ``pipeline_loss`` for sleep stages: a source reads its microbatch,
+    a module with upstream modules adds their outputs, the sink's loss is a mean square."""
+
+    def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
+        if not upstream:
+            return batch
+        return sum(upstream[name] for name in sorted(upstream))
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return output.pow(2).mean()
+
+
+def chain(pp: int) -> PipelineLayout:
+    """One module split into ``pp`` stages on ranks ``0 .. pp-1``."""
+    return PipelineLayout({"a": P(pp=pp)}, {"a": []})
+
+
+def two_encoders() -> PipelineLayout:
+    """enc_a (pp=2, ranks 0-1) and enc_b (pp=1, rank 2) side by side -> llm (pp=2, ranks 3-4).
+    Depth 4 (the same layout as ``bench_schedule.py``)."""
+    return PipelineLayout(
+        {"enc_a": P(pp=2), "enc_b": P(pp=1), "llm": P(pp=2)},
+        {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []},
+    )
+
+
+class OurPipeline:
+    """This rank's part of a sleep-stage pipeline run by lightning_mmpp's layout, communicator,
+    schedule and runtime directly (no Lightning Trainer)."""
+
+    def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
+                 mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0) -> None:
+        self.layout, self.rank, self.m = layout, rank, m
+        self.runners = {
+            slot.module: StageRunner(slot.module, slot.stage, [SleepStage(tf, tb)], ["0"])
+            for slot in layout.slots(rank)
+        }
+        self.tracer = Tracer(rank) if trace else None
+        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer)
+        self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe")}
+        g = torch.Generator().manual_seed(seed)
+        self.data = [torch.randn(*mb_shape, generator=g) for _ in range(m)]
+
+    def step(self, schedule: str = "1f1b") -> tuple[float, StepResult]:
+        """One training step after a barrier; returns (this rank's seconds, its StepResult)."""
+        for runner in self.runners.values():
+            for p in runner.parameters():
+                p.grad = None
+        dist.barrier()
+        start = time.perf_counter()
+        result = self.runtime.run(self.schedules[schedule], lambda module, k: self.data[k])
+        self.comm.wait_sends()
+        return time.perf_counter() - start, result
+
+
+def gather_max(values: list[float]) -> list[float]:
+    """Element-wise max over ranks (a step ends when its slowest rank ends)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int, steps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time every entry of ``runs`` (a step function returning this rank's seconds): ``warmup``
+    untimed steps each, then ``rounds`` rounds of ``steps`` steps each, the entries taking turns
+    round by round so that a slow spell of the machine hits all of them alike. Returns the
+    per-step times (max over ranks) of every entry."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            times[name].extend(gather_max([fn() for _ in range(steps)]))
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A right-aligned plain-text table; floats with 3 significant decimals."""
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        if isinstance(v, (tuple, list)):
+            return " ".join(map(str, v))
+        return str(v)
+
+    cells = [list(headers)] + [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def section(title: str) -> None:
+    print()
+    print(title)
+    print("=" * len(title))
+
+
+def machine() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, load average {load:.2f} at start"
