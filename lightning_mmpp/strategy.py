@@ -164,7 +164,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._runtime: Optional[PipelineRuntime] = None
         self._schedules: dict[tuple[bool, int], Schedule] = {}
         self._no_grad_modules: frozenset[str] = frozenset()
-        self._largest_batch = 0  # a batch smaller than one seen before is a short last batch
+        # per kind of step (train / eval / predict): a batch smaller than one seen before is a
+        # short last batch
+        self._largest_batch: dict[str, int] = {}
         self._in_pipeline_step = False
         self._metric_names: dict[str, list[str]] = {}
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
@@ -367,8 +369,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     def _run_pipeline(self, batch: Any, forward_only: bool, predict: bool = False) -> StepResult:
         assert self._runtime is not None and self._comm is not None
         size = batch_size_of(batch)
-        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < self._largest_batch)
-        self._largest_batch = max(self._largest_batch, size)
+        kind = "predict" if predict else "eval" if forward_only else "train"
+        largest = self._largest_batch.get(kind, 0)
+        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < largest)
+        self._largest_batch[kind] = max(largest, size)
         micro = split_microbatches(batch, m)
         per = batch_size_of(batch) // m
         rank = self.global_rank
