@@ -83,6 +83,8 @@ class MultiModalModel(L.LightningModule):
                 self.llm = nn.Sequential(*[Block() for _ in range(llm_layers)], Head())
             elif name == "dec":
                 self.dec = nn.Sequential(Decoder(), nn.Tanh(), nn.Linear(4, 4))
+            elif name == "aux":  # a second sink on the encoder features
+                self.aux = nn.Sequential(nn.Linear(HIDDEN, 4), nn.Tanh())
             else:
                 raise ValueError(name)
         for name in freeze:
@@ -93,6 +95,8 @@ class MultiModalModel(L.LightningModule):
     def pipeline_inputs(self, module: str, batch: dict[str, torch.Tensor], upstream: dict[str, Any]) -> Any:
         if module.startswith("enc"):
             return batch[f"x_{module}"]
+        if module == "aux":
+            return upstream["enc_a"]
         if module == "llm":
             h = torch.zeros(batch["ids"].shape + (HIDDEN,), dtype=torch.float32, device=batch["ids"].device)
             for name in sorted(upstream):
@@ -104,7 +108,7 @@ class MultiModalModel(L.LightningModule):
         if output.shape[-1] == VOCAB:
             loss = F.cross_entropy(output.reshape(-1, VOCAB), batch["target"].reshape(-1))
         else:
-            loss = F.mse_loss(output.mean(1), batch["y"])
+            loss = F.mse_loss(output.mean(1) if output.dim() == 3 else output, batch["y"])
         return {"loss": loss, "abs_out": output.abs().mean()}
 
     # --- single-process reference ----------------------------------------------------------

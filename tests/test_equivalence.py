@@ -31,6 +31,8 @@ LAYOUTS = {
     "chain3": (CHAIN3, {"enc_a": P(), "llm": P(), "dec": P(pp=2)}, 3, 6),
     "all_colocated_world1": (TWO_ENC, {"enc_a": P(rank_offset=0), "enc_b": P(rank_offset=0), "llm": P(rank_offset=0)}, 2, 8),
     "m_below_depth": (ONE_ENC, {"enc_a": P(), "llm": P(pp=3)}, 2, 4),
+    "two_sinks_fanout": ({"enc_a": ["llm", "aux"], "llm": [], "aux": []},
+                         {"enc_a": P(), "llm": P(dp=2), "aux": P()}, 4, 8),
     "m_above_depth": (TWO_ENC, {"enc_a": P(dp=2), "enc_b": P(), "llm": P(pp=2)}, 8, 16),
 }
 
