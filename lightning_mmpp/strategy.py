@@ -7,6 +7,7 @@ import math
 import os
 import time
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -27,6 +28,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -277,6 +279,11 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             install_pipeline_optimization(trainer)
         self._install_gradient_clipping()
+        # Lightning suggests sync_dist=True for epoch-level values; the strategy's metrics are
+        # identical on every rank already, so that advice (and its extra all-reduce) does not apply
+        warnings.filterwarnings(
+            "ignore", message=r"It is recommended to use `self.log\('(train|val|test)_", category=PossibleUserWarning
+        )
         assert self._partition is not None
         self._no_grad_modules = self._modules_without_backward(self._partition.frozen_modules)
         self._schedules = {}
@@ -300,12 +307,22 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         """Attach the model; give it placeholder step methods Lightning's checks look for.
 
         The strategy runs its own pipelined training/validation/test steps, so the module only
-        needs the pipeline hooks. Missing ``training_step`` / ``validation_step`` /
-        ``test_step`` are bound to placeholders that explain this if called directly.
+        needs the pipeline hooks. A missing ``training_step`` / ``validation_step`` /
+        ``test_step`` that the current Trainer call will run (validation only when there is
+        validation data) is bound to a placeholder that explains this if called directly.
         """
-        for name in ("training_step", "validation_step", "test_step"):
-            if not is_overridden(name, model):
-                setattr(model, name, types.MethodType(_run_by_strategy(name), model))
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None:
+            fn = trainer.state.fn
+            val_data = trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
+            needed = {
+                "training_step": fn == TrainerFn.FITTING,
+                "validation_step": fn == TrainerFn.VALIDATING or (fn == TrainerFn.FITTING and val_data),
+                "test_step": fn == TrainerFn.TESTING,
+            }
+            for name, wanted in needed.items():
+                if wanted and not is_overridden(name, model):
+                    setattr(model, name, types.MethodType(_run_by_strategy(name), model))
         super().connect(model)
 
     def _check_fit_configuration(self, trainer: Any) -> None:

@@ -145,3 +145,37 @@ def test_error_on_one_rank_stops_its_peers():
     encoder, sink = run_distributed(_sink_only_error, 2, timeout=60, init_pg=False)
     assert "PipelineConfigError" in sink and "reduce it to a scalar" in sink, sink
     assert "failed during the pipeline step" in encoder, encoder
+
+
+class _HooksOnly(MultiModalModel):
+    """Only the pipeline hooks and configure_optimizers: no step methods at all."""
+
+    training_step = L.LightningModule.training_step
+    validation_step = L.LightningModule.validation_step
+    test_step = L.LightningModule.test_step
+
+
+def _hooks_only(rank: int, world: int):
+    from torch.utils.data import DataLoader
+
+    from tests.models import SyntheticDataset
+
+    def val():
+        return DataLoader(SyntheticDataset(16, ["enc_a"]), batch_size=8)
+
+    model = _HooksOnly(TOPOLOGY)
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, num_microbatches=2)
+    trainer = L.Trainer(devices=world, strategy=strategy, **{**QUIET, "limit_val_batches": None, "max_steps": 2})
+    trainer.fit(model, make_loader(TOPOLOGY, 8, 16), val())
+    fit_val = float(trainer.callback_metrics["val_loss"])
+    validated = trainer.validate(model, val(), verbose=False)[0]["val_loss"]
+    tested = trainer.test(model, val(), verbose=False)[0]["test_loss"]
+    return fit_val, validated, tested
+
+
+@pytest.mark.timeout(120)
+def test_module_needs_only_the_pipeline_hooks():
+    per_rank = run_distributed(_hooks_only, 2, timeout=100, init_pg=False)
+    assert per_rank[0] == per_rank[1]
+    fit_val, validated, tested = per_rank[0]
+    assert fit_val == pytest.approx(validated) == pytest.approx(tested)
