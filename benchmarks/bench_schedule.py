@@ -24,6 +24,9 @@ from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E4
 from lightning_mmpp.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.simulator import SimulationResult, simulate  # noqa: E402
 
+from common import section  # noqa: E402
+from common import table as common_table  # noqa: E402
+
 P = ModulePlacement
 TF, TB = 1.0, 2.0
 
@@ -86,24 +89,8 @@ def run(layout, m, name="1f1b", numbering="alap", mode="eager", tf=TF, tb=TB) ->
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3f}" if not v.is_integer() else f"{v:.0f}"
-        if isinstance(v, tuple):
-            return " ".join(map(str, v))
-        return str(v)
-
-    cells = [list(headers)] + [[fmt(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def section(title: str) -> None:
-    print()
-    print(title)
-    print("=" * len(title))
+    """common.table, with whole virtual-clock times printed without decimals."""
+    return common_table(headers, [[int(v) if isinstance(v, float) and v.is_integer() else v for v in r] for r in rows])
 
 
 def bench_chain() -> None:
