@@ -10,7 +10,8 @@ rank (rank 0 on top), time in milliseconds from the step's first event:
   the microbatch number is written in a box wide enough to hold it;
 * ``exchange`` (communication, including the time spent waiting for a peer): light grey;
 * ``dp_allreduce`` (gradient sum over a module's replicas): orange;
-* ``optimizer_step``: red.
+* ``optimizer_step``: red;
+* ``metrics_allreduce`` (the step's loss and metrics, made identical on every rank): dark grey.
 
 ``--step`` picks the training step (the ``step`` argument of the events, Lightning's
 ``global_step``); by default the last one in the file. Needs matplotlib (the ``bench`` extra).
@@ -127,7 +128,7 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
             face = to_rgb(DP_COLOUR if name == "dp_allreduce" else OPTIMIZER_COLOUR if name == "optimizer_step"
                           else "#7f7f7f")
             patch = Rectangle((x, y), w, height, facecolor=face, linewidth=0)
-            label = {"dp_allreduce": "dp", "optimizer_step": "opt"}.get(name, name)
+            label = {"dp_allreduce": "dp", "optimizer_step": "opt", "metrics_allreduce": "m"}.get(name, name)
             counts["other"] += 1
         ax.add_patch(patch)
         if label and w * px_per_ms >= char_px * len(label) + 3:
@@ -157,6 +158,8 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
         handles.append(Patch(facecolor=DP_COLOUR, label="dp all-reduce"))
     if "optimizer_step" in names_seen:
         handles.append(Patch(facecolor=OPTIMIZER_COLOUR, label="optimizer step"))
+    if "metrics_allreduce" in names_seen:
+        handles.append(Patch(facecolor="#7f7f7f", label="metrics all-reduce"))
     axes_h_in = fig_h * (fig.subplotpars.top - fig.subplotpars.bottom)
     ncol = (len(handles) + 1) // 2  # column-major: each module's forward above its backward
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.55 / axes_h_in), ncol=ncol,

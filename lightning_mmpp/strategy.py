@@ -452,7 +452,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             result = self._run_pipeline(batch, forward_only=False)
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
-        metrics = self.reduce_metrics(result.metric_sums, "train")
+        with self._tracer.span("metrics_allreduce", "metrics"):
+            metrics = self.reduce_metrics(result.metric_sums, "train")
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
         return {"loss": metrics["loss"]}
 
