@@ -34,7 +34,9 @@ encoder branch and the first LM stage warms each up by its own depth, rather tha
 module of the rank" (Megatron's open TODO).
 
 Modules in ``no_grad_modules`` (no trainable parameter, nothing trainable upstream — a frozen
-encoder) get forwards only: no backward, no gradient transfer, no in-flight limit.
+encoder) get forwards only: no backward, no gradient transfer. Under 1F1B such a module runs at
+most ``limit`` microbatches ahead of its slowest consumer's forwards, which bounds the inputs
+the consumer holds for it.
 
 Replicas of a stage are symmetric, so all peers of one fan-in / fan-out message land in the
 same exchange (``tests/test_schedule.py`` checks it on random layouts).
@@ -166,12 +168,15 @@ class _LockstepBuilder:
         }
         self.limit: dict[_Unit, int] = {}
         for unit, slot in self.units.items():
-            if forward_only or name == "gpipe" or slot.module in no_grad:
+            if forward_only or name == "gpipe":
                 self.limit[unit] = m
             else:
                 self.limit[unit] = layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
         self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.units.items()}
         self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.units.items()}
+        self.consumers = {
+            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.units.items()
+        }
         # every consumer of a trained module is trained (no_grad_modules is closed upstream),
         # so a trained module gets a gradient from each of its targets
         self.next_f = {u: 0 for u in self.units}
@@ -195,7 +200,12 @@ class _LockstepBuilder:
 
     def _forward_ready(self, unit: _Unit) -> bool:
         k = self.next_f[unit]
-        in_flight = 0 if self._forward_only(unit) else k - self.next_b[unit]
+        if self.forward_only:
+            in_flight = 0
+        elif unit[1] in self.no_grad:  # ahead of the slowest consumer's forwards
+            in_flight = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+        else:
+            in_flight = k - self.next_b[unit]
         if k >= self.m or in_flight >= self.limit[unit]:
             return False
         return self.inputs[(unit, k)] == self.needed_inputs[unit]

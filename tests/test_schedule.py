@@ -501,3 +501,29 @@ def test_random_dags(data, m, name, numbering, forward_only):
     else:
         for rank in range(layout.world_size):
             assert strict.peak_stashed[rank] <= m * len(layout.slots(rank))
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(random_layouts(), st.integers(1, 9), st.sampled_from(["1f1b", "gpipe"]), st.data())
+def test_random_dags_with_frozen_modules(data, m, name, draw):
+    """Frozen modules with nothing trainable upstream: forwards only, never a gradient for them."""
+    placements, topology = data
+    layout = PipelineLayout(placements, topology)
+    frozen = {mod for mod in layout.modules if draw.draw(st.booleans())}
+    no_grad: set[str] = set()
+    for module in layout.topology.order:  # closed upstream, as the strategy computes it
+        if module in frozen and all(u in no_grad for u in layout.topology.upstream(module)):
+            no_grad.add(module)
+    schedule = build_schedule(layout, m, name, no_grad_modules=frozenset(no_grad))
+    simulate(schedule, layout, TF, TB, mode="rendezvous")
+    simulate(schedule, layout, TF, TB, mode="eager")
+    for rank in range(layout.world_size):
+        for slot in layout.slots(rank):
+            seq = computes(schedule, rank, slot.module)
+            assert [k for p, k in seq if p == FORWARD] == list(range(m))
+            backwards = [k for p, k in seq if p == BACKWARD]
+            assert backwards == ([] if slot.module in no_grad else list(range(m)))
+        for action in schedule.for_rank(rank):
+            if isinstance(action, Exchange):
+                for t in action.sends + action.recvs:
+                    assert not (t.direction == BACKWARD and t.src_module in no_grad)
