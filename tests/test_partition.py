@@ -28,7 +28,7 @@ def _brute_force(weights, parts):
     return best
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, database=None)
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=9), st.integers(1, 9))
 def test_balanced_split_is_optimal_contiguous_and_complete(weights, parts):
     parts = min(parts, len(weights))
