@@ -24,23 +24,11 @@ from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E4
 from lightning_mmpp.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.simulator import SimulationResult, simulate  # noqa: E402
 
-from common import section  # noqa: E402
+from common import chain, section, two_encoders  # noqa: E402
 from common import table as common_table  # noqa: E402
 
 P = ModulePlacement
 TF, TB = 1.0, 2.0
-
-
-def chain(pp: int) -> PipelineLayout:
-    return PipelineLayout({"a": P(pp=pp)}, {"a": []})
-
-
-def two_encoders() -> PipelineLayout:
-    """enc_a (pp=2) and enc_b (pp=1) -> llm (pp=2): ranks 0-1 enc_a, 2 enc_b, 3-4 llm."""
-    return PipelineLayout(
-        {"enc_a": P(pp=2), "enc_b": P(pp=1), "llm": P(pp=2)},
-        {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []},
-    )
 
 
 def vision_audio() -> PipelineLayout:
