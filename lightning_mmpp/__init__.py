@@ -11,6 +11,8 @@ lower layers (topology, placement, schedule, simulator) import without Lightning
 from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.materialize import materialize
+from lightning_mmpp.pretrained import PretrainedWeights, load_pretrained
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.reference import run_unpipelined
 from lightning_mmpp.topology import ModuleTopology
@@ -21,8 +23,11 @@ __all__ = [
     "MultiModulePipelineStrategy",
     "PipelineConfigError",
     "PipelineLayout",
+    "PretrainedWeights",
     "StageSlot",
     "export_checkpoint",
+    "load_pretrained",
+    "materialize",
     "run_unpipelined",
 ]
 

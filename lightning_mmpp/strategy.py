@@ -8,7 +8,8 @@ import os
 import time
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -38,12 +39,15 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_mmpp.checkpoint import PipelineCheckpointMixin
 from lightning_mmpp.comm import MultiModuleCommunicator
+from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan_construction
 from lightning_mmpp.data_parallel import sum_gradients
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.payload import concat_payloads
+from lightning_mmpp.materialize import has_meta_tensors
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
 from lightning_mmpp.topology import ModuleTopology
@@ -120,6 +124,14 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         trace_dir: record a timeline of every forward, backward, communication wait, gradient
             reduction and optimizer step, and write Chrome trace-event JSON there at teardown
             (``trace_rank{r}.json`` per rank and a merged ``trace.json``). Off by default.
+        pretrained: ``{module: source}`` initial weights per module, loaded after partitioning
+            (each rank reads only its own stages' tensors): a ``.safetensors`` file, a torch
+            state-dict file, a torch.distributed.checkpoint directory, or
+            :class:`~lightning_mmpp.PretrainedWeights` to rename keys. See :mod:`lightning_mmpp.pretrained`.
+
+    Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
+    meta device; each rank allocates and initialises only the stages it holds
+    (:func:`~lightning_mmpp.materialize`, seeded by the run's seed), so no rank holds the whole model.
     """
 
     strategy_name = "multimodule_pipeline"
@@ -141,6 +153,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
+        pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -174,6 +187,14 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
+        self.pretrained = dict(pretrained or {})
+        unknown = sorted(set(self.pretrained) - set(self.layout.modules))
+        if unknown:
+            raise PipelineConfigError(
+                f"pretrained= names {unknown}, which are not placed modules {list(self.layout.modules)}; key it by "
+                "placement name."
+            )
+        self._pretrained_keys_read: dict[str, list[str]] = {}
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -355,8 +376,30 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
                 "this LightningModule was already partitioned by another MultiModulePipelineStrategy or rank; "
                 "build a fresh model for a new layout."
             )
+        lm._mmpp_state_dict_keys = list(lm.state_dict().keys())  # modules built in configure_model included
+        plan = plan_construction(lm, self.pretrained)  # every rank checks every key, before any collective
         self._partition = partition_model(lm, self.layout, self.global_rank)
+        self._build_own_stages(plan)
         lm._mmpp_partition = (self.layout, self.global_rank, self._partition)
+
+    # --- construction: meta build, materialisation, pretrained weights ------------------------
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Build on the meta device (``configure_model()``, ``trainer.init_module()``) unless
+        ``empty_init=False``: each rank materialises only its own stages in ``setup``."""
+        device = torch.device("meta") if empty_init is not False else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def _init_seed(self) -> int:
+        """The materialisation seed: rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed)."""
+        seed = torch.initial_seed()
+        return int(self.broadcast(seed, 0)) if self.world_size > 1 else seed
+
+    def _build_own_stages(self, plan: ConstructionPlan) -> None:
+        seed = self._init_seed() if plan.on_meta else 0
+        self._pretrained_keys_read = build_own_stages(self.lightning_module, plan, self.root_device, seed)
 
     def _filter_optimizers(self) -> None:
         assert self._partition is not None
@@ -611,6 +654,15 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        lm = self.lightning_module
+        if lm is not None and has_meta_tensors(lm):
+            # setup failed before this rank's stages were materialised: nothing to move to CPU
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = lm
+            return
         super().teardown()
 
     def __str__(self) -> str:
