@@ -12,7 +12,8 @@ from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.materialize import materialize
-from lightning_mmpp.pretrained import PretrainedWeights, load_pretrained
+from lightning_mmpp.construction import load_pretrained
+from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.reference import run_unpipelined
 from lightning_mmpp.topology import ModuleTopology

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
+from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.materialize import check_materializable, covered_submodules, has_meta_tensors, materialize
 from lightning_mmpp.pretrained import (
     PathLike,
@@ -30,7 +31,7 @@ from lightning_mmpp.pretrained import (
     open_source,
 )
 
-__all__ = ["ConstructionPlan", "build_own_stages", "plan_construction"]
+__all__ = ["ConstructionPlan", "build_own_stages", "load_pretrained", "plan_construction"]
 
 
 @dataclass
@@ -70,3 +71,24 @@ def build_own_stages(model: nn.Module, plan: ConstructionPlan, device: torch.dev
         read[source.module] = load_pretrained_tensors(source, container.state_dict(keep_vars=True))
         source.release()
     return read
+
+
+def load_pretrained(
+    model: nn.Module,
+    pretrained: Mapping[str, Union[PathLike, PretrainedWeights]],
+    seed: Optional[int] = None,
+    device: Union[torch.device, str, None] = None,
+) -> nn.Module:
+    """Per-module pretrained weights in one process, as the strategy loads them on each rank.
+
+    On a model with meta tensors, what the sources do not fill is first initialised by
+    :func:`~lightning_mmpp.materialize.materialize` (``seed``, ``device``: see there), so a
+    single process reproduces a pipelined run's initial weights exactly. ``pretrained`` maps
+    module attribute names to sources (see :mod:`lightning_mmpp.pretrained`). Returns ``model``.
+    """
+    for module in pretrained:
+        if not isinstance(getattr(model, module, None), nn.Module):
+            raise PipelineConfigError(f"pretrained weights for {module!r}: the model has no module `{module}`.")
+    plan = plan_construction(model, pretrained)
+    build_own_stages(model, plan, torch.device(device or "cpu"), torch.initial_seed() if seed is None else seed)
+    return model

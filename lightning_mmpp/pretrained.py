@@ -39,7 +39,6 @@ __all__ = [
     "PretrainedWeights",
     "PretrainedSource",
     "check_pretrained",
-    "load_pretrained",
     "load_pretrained_tensors",
     "module_tensor_specs",
     "open_source",
@@ -279,23 +278,6 @@ def load_pretrained_tensors(source: PretrainedSource, tensors: Mapping[str, Tens
     wanted = {k: t.detach() for k, t in tensors.items() if k in source.specs}
     source.read(wanted)
     return list(wanted)
-
-
-def load_pretrained(model: nn.Module, pretrained: Mapping[str, Union[PathLike, PretrainedWeights]]) -> nn.Module:
-    """Load per-module pretrained weights into a model in one process (as the strategy does per rank).
-
-    ``model`` must hold real tensors (call :func:`lightning_mmpp.materialize` first on a meta
-    model). Returns ``model``.
-    """
-    for module, spec in pretrained.items():
-        container = getattr(model, module, None)
-        if not isinstance(container, nn.Module):
-            raise PipelineConfigError(f"pretrained weights for {module!r}: the model has no module `{module}`.")
-        source = open_source(module, spec)
-        check_pretrained(source, module_tensor_specs(container))
-        load_pretrained_tensors(source, container.state_dict(keep_vars=True))
-        source.release()
-    return model
 
 
 def covered_names(sources: Iterable[PretrainedSource]) -> set[str]:
