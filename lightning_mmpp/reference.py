@@ -20,7 +20,8 @@ def run_unpipelined(
 ) -> tuple[Tensor, dict[str, Any]]:
     """Return ``(loss, outputs)``: the summed sink losses and every module's output.
 
-    ``pipeline_loss`` may return a dict; its ``"loss"`` is used.
+    ``pipeline_loss`` may return a dict; its ``"loss"`` is used, or ``loss_sum / num_tokens`` in
+    the per-token form.
     """
     topo = topology if isinstance(topology, ModuleTopology) else ModuleTopology(topology)
     outputs: dict[str, Any] = {}
@@ -33,7 +34,10 @@ def run_unpipelined(
         outputs[module] = x
         if not topo.downstream(module):
             result = model.pipeline_loss(x, batch)  # type: ignore[operator]
-            value = result["loss"] if isinstance(result, Mapping) else result
+            if isinstance(result, Mapping) and "loss_sum" in result:  # per-token form
+                value = result["loss_sum"] / max(float(result["num_tokens"]), 1.0)
+            else:
+                value = result["loss"] if isinstance(result, Mapping) else result
             loss = value if loss is None else loss + value
     assert loss is not None
     return loss, outputs

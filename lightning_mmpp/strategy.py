@@ -48,12 +48,13 @@ from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.pretrained import PretrainedWeights
-from lightning_mmpp.runtime import PipelineRuntime, StepResult
+from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
 log = logging.getLogger(__name__)
+_TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one metrics all-reduce
 
 
 def batch_size_of(batch: Any) -> int:
@@ -496,9 +497,37 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
         with self._tracer.span("metrics_allreduce", "metrics"):
-            metrics = self.reduce_metrics(result.metric_sums, "train")
+            metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
+        if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
+            self._divide_gradients(tokens)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
-        return {"loss": metrics["loss"]}
+        self._log_metrics("train", token_metrics, tokens, on_step=True)
+        return {"loss": {**metrics, **token_metrics}["loss"]}
+
+    def _reduce_step_metrics(
+        self, result: StepResult, stage: str
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
+        """Reduce a step's metrics over the world: ``(metrics, per-token metrics, global token count)``.
+
+        Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
+        divided by the global token count of the step (``None`` when no sink used that form).
+        """
+        local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+        reduced = self.reduce_metrics(local, stage)
+        metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
+        sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
+        if not sums:
+            return metrics, {}, None
+        count = sums.pop(TOKEN_COUNT).clamp(min=1.0)
+        token_metrics = {"loss" if n == TOKEN_LOSS else n[: -len("_sum")]: v / count for n, v in sums.items()}
+        return metrics, token_metrics, int(count.item())
+
+    def _divide_gradients(self, count: int) -> None:
+        assert self._partition is not None
+        for runner in self._partition.runners.values():
+            for p in runner.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
 
     def synchronize_gradients(self) -> None:
         """Sum each module's gradients over its dp group (colocated modules share one reduction)."""
@@ -538,9 +567,11 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         context = self.precision_plugin.val_step_context if prefix == "val" else self.precision_plugin.test_step_context
         with context():
             result = self._run_pipeline(batch, forward_only=True)
-        metrics = self.reduce_metrics(result.metric_sums, prefix)
+        metrics, token_metrics, tokens = self._reduce_step_metrics(result, prefix)
         self._log_metrics(prefix, metrics, batch_size_of(batch), on_step=False)
-        return {f"{prefix}_{n}": v for n, v in metrics.items()}
+        # weighted by tokens, so the epoch value is sum(loss_sum) / sum(num_tokens)
+        self._log_metrics(prefix, token_metrics, tokens, on_step=False)
+        return {f"{prefix}_{n}": v for n, v in {**metrics, **token_metrics}.items()}
 
     def validation_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         return self._evaluation_step("val", args[0] if args else kwargs["batch"])
