@@ -292,6 +292,8 @@ class PipelineCheckpointMixin:
     optimizers: list[Any]
     global_rank: int
     root_device: torch.device
+    _partition: Any
+    _unpartitioned_keys: Optional[list[str]]
 
     # --- what Lightning asks ---------------------------------------------------------------
 
@@ -302,16 +304,16 @@ class PipelineCheckpointMixin:
 
     def connect(self, model: Any) -> None:
         super().connect(model)  # type: ignore[misc]
-        if getattr(model, "_mmpp_partition", None) is None:
-            # the unpartitioned order of the state dict, for exports (kept on the model: a re-fit
-            # of the same, then partitioned, model still knows it)
-            model._mmpp_state_dict_keys = list(model.state_dict().keys())
+        if self._partition is None:
+            # the unpartitioned order of the state dict, for exports (kept by the strategy: a
+            # later Trainer call with the same, then partitioned, model still knows it)
+            self._unpartitioned_keys = list(model.state_dict().keys())
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
         lm = self.lightning_module
         self._mmpp_group_names: Optional[list[list[list[str]]]] = None
-        if getattr(lm, "_mmpp_partition", None) is None:
+        if self._partition is None:
             # before partitioning every rank's optimizers hold every parameter: record each
             # group's names in the user's order, the index order of a single-process optimizer
             names = {id(p): n for n, p in lm.named_parameters()}
@@ -399,7 +401,7 @@ class PipelineCheckpointMixin:
                 "topology": {m: list(self.layout.topology.downstream(m)) for m in self.layout.modules},
                 "state_dict_keys": _merge_names(
                     [g["state_dict_keys"] for g in gathered],
-                    getattr(self.lightning_module, "_mmpp_state_dict_keys", None),
+                    self._unpartitioned_keys,
                 ),
             }
             tmp = path / (META_FILE + ".tmp")

@@ -5,7 +5,7 @@ rank: it opens the pretrained sources (metadata only) and checks every key of ev
 that every meta submodule can be initialised, so a user error fails identically everywhere
 before the first collective. ``build_own_stages`` runs after partitioning: the model then holds
 only the rank's own layers (under their original names), which are allocated on the rank's
-device, initialised by :func:`~lightning_mmpp.materialize.materialize` and overwritten with
+device, initialised by :func:`~lightning_mmpp.initialization.materialize` and overwritten with
 their pretrained values; nothing else is allocated or read.
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.materialize import check_materializable, covered_submodules, has_meta_tensors, materialize
+from lightning_mmpp.initialization import check_materializable, covered_submodules, has_meta_tensors, materialize
 from lightning_mmpp.pretrained import (
     PathLike,
     PretrainedSource,
@@ -82,7 +82,7 @@ def load_pretrained(
     """Per-module pretrained weights in one process, as the strategy loads them on each rank.
 
     On a model with meta tensors, what the sources do not fill is first initialised by
-    :func:`~lightning_mmpp.materialize.materialize` (``seed``, ``device``: see there), so a
+    :func:`~lightning_mmpp.initialization.materialize` (``seed``, ``device``: see there), so a
     single process reproduces a pipelined run's initial weights exactly. ``pretrained`` maps
     module attribute names to sources (see :mod:`lightning_mmpp.pretrained`). Returns ``model``.
     """
