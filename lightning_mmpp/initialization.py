@@ -24,7 +24,8 @@ from torch import nn
 
 from lightning_mmpp.errors import PipelineConfigError
 
-__all__ = ["check_materializable", "covered_submodules", "has_meta_tensors", "init_seed", "materialize", "meta_submodules", "uninitialisable_submodules"]
+__all__ = ["check_materializable", "covered_submodules", "has_meta_tensors", "init_seed", "initialise_submodule",
+           "materialize", "meta_submodules", "uninitialisable_submodules"]
 
 
 def init_seed(seed: int, name: str) -> int:
@@ -132,13 +133,25 @@ def materialize(
            if name not in skip and not callable(getattr(m, "reset_parameters", None))]
     if bad:
         _raise_uninitialisable(bad)
-    rng_devices = [device] if device.type == "cuda" else []
     for name, module in todo:
-        _allocate(module, device)
         if name in skip:
-            continue
-        with torch.random.fork_rng(devices=rng_devices, device_type=device.type if rng_devices else "cuda"):
-            torch.manual_seed(init_seed(base, name))
-            with torch.no_grad():
-                module.reset_parameters()  # type: ignore[operator]
+            _allocate(module, device)
+        else:
+            initialise_submodule(module, name, base, device)
     return model
+
+
+def initialise_submodule(module: nn.Module, name: str, seed: int, device: torch.device) -> None:
+    """Allocate ``module``'s own meta tensors and run its ``reset_parameters()`` under the RNG of
+    ``(seed, name)``. Tensors it already held for real (a parameter shared with a submodule
+    initialised earlier) keep their values: a shared tensor is initialised by its first owner."""
+    kept = {key: t.detach().clone() for key, t in _own_tensors(module) if t is not None and not t.is_meta}
+    _allocate(module, device)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices, device_type=device.type if rng_devices else "cuda"):
+        torch.manual_seed(init_seed(seed, name))
+        with torch.no_grad():
+            module.reset_parameters()  # type: ignore[operator]
+            for key, t in _own_tensors(module):
+                if key in kept:
+                    t.copy_(kept[key])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -228,11 +228,14 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src.is_floating_point and dst.is_floating_point)
 
 
-def check_pretrained(source: PretrainedSource, expected: Mapping[str, TensorSpec]) -> list[str]:
+def check_pretrained(
+    source: PretrainedSource, expected: Mapping[str, TensorSpec], aliases: Mapping[str, Sequence[str]] = {}
+) -> list[str]:
     """Keys of the module to load; raise one error listing every mismatch.
 
     ``expected`` holds every state-dict entry of the whole module (all stages), so every rank
-    reaches the same verdict.
+    reaches the same verdict. ``aliases`` names the other keys of a tied tensor: one of them in
+    the source is enough (a Hugging Face checkpoint with tied embeddings stores only one).
     """
     problems = []
     where = f"module {source.module!r}, file {str(source.path)!r}"
@@ -242,6 +245,8 @@ def check_pretrained(source: PretrainedSource, expected: Mapping[str, TensorSpec
 
     for key, spec in expected.items():
         found = source.specs.get(key)
+        if found is None:
+            found = next((source.specs[a] for a in aliases.get(key, ()) if a in source.specs), None)
         if found is None:
             if source.strict:
                 problems.append(f"missing key {key!r}: expected shape {list(spec.shape)} {spec.dtype}, found nothing")
@@ -269,17 +274,34 @@ def check_pretrained(source: PretrainedSource, expected: Mapping[str, TensorSpec
     return [key for key in expected if key in source.specs]
 
 
-def load_pretrained_tensors(source: PretrainedSource, tensors: Mapping[str, Tensor]) -> list[str]:
+def load_pretrained_tensors(
+    source: PretrainedSource, tensors: Mapping[str, Tensor], aliases: Mapping[str, Sequence[str]] = {}
+) -> list[str]:
     """Copy the source values of ``tensors`` (module-relative key -> the tensor a rank holds).
 
-    Keys the source does not hold are skipped (``check_pretrained`` already decided whether that
-    is allowed). Returns the keys read.
+    A key the source lacks is read under one of its ``aliases`` (tied tensors); keys found under
+    no name are skipped (``check_pretrained`` already decided whether that is allowed). Each
+    tensor is read once. Returns the source keys read.
     """
-    wanted = {k: t.detach() for k, t in tensors.items() if k in source.specs}
+    wanted: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, tensor in tensors.items():
+        name = key if key in source.specs else next((a for a in aliases.get(key, ()) if a in source.specs), None)
+        if name is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        wanted[name] = tensor.detach()
     source.read(wanted)
     return list(wanted)
 
 
-def covered_names(sources: Iterable[PretrainedSource]) -> set[str]:
-    """Fully qualified names (``"llm.0.lin.weight"``) that pretrained sources fill."""
-    return {f"{s.module}.{key}" for s in sources for key in s.specs}
+def covered_names(
+    sources: Iterable[PretrainedSource], aliases: Mapping[str, Mapping[str, Sequence[str]]] = {}
+) -> set[str]:
+    """Fully qualified names (``"llm.0.lin.weight"``) that pretrained sources fill (tied aliases too)."""
+    names = set()
+    for s in sources:
+        for key in s.specs:
+            names.add(f"{s.module}.{key}")
+            names.update(f"{s.module}.{a}" for a in aliases.get(s.module, {}).get(key, ()))
+    return names

@@ -57,6 +57,7 @@ from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
@@ -204,6 +205,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
                 "placement name."
             )
         self._pretrained_keys_read: dict[str, list[str]] = {}
+        self._tie_groups: dict[tuple[int, ...], Any] = {}  # owner ranks of parameters tied across ranks
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -314,6 +316,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
         self._gradients = self._stage_gradients()
+        if self.world_size > 1 and not self._tie_groups:
+            self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
@@ -399,6 +403,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             slot = self.layout.slot(self.global_rank, module)
             if slot is not None and slot.replica == 0:
                 counted.extend(runner.parameters())
+        # a parameter tied across ranks counts once in the global norm, on its first owner
+        elsewhere = {id(t.local) for t in self._partition.tied
+                     if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)}
+        counted = [p for p in dict.fromkeys(counted) if id(p) not in elsewhere]
         return StageGradients(by_group, counted, self._dp_groups, self.world_size)
 
     # --- construction: meta build, materialisation, pretrained weights ------------------------
@@ -418,7 +426,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     def _build_own_stages(self, plan: ConstructionPlan) -> None:
         seed = self._init_seed() if plan.on_meta else 0
-        self._pretrained_keys_read = build_own_stages(self.lightning_module, plan, self.root_device, seed)
+        assert self._partition is not None
+        self._pretrained_keys_read = build_own_stages(
+            self.lightning_module, plan, self.root_device, seed, self._partition.tied
+        )
 
     def _filter_optimizers(self) -> None:
         assert self._partition is not None
@@ -495,6 +506,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             result = self._run_pipeline(batch, forward_only=False)
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
+            if self._tie_groups:  # copies of a parameter tied across ranks get the summed gradient
+                sum_tied_gradients(self.layout, self._partition.tied, self._tie_groups, self.global_rank)
         with self._tracer.span("metrics_allreduce", "metrics"):
             metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
         if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
@@ -641,6 +654,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         if self._in_pipeline_step and self.world_size > 1 and _distributed_is_initialized():
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
+            self._tie_groups = {}
             dist.destroy_process_group()
         self._in_pipeline_step = False
 
@@ -656,10 +670,11 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     def teardown(self) -> None:
         self._write_trace()
         self._remove_placeholder_steps()
-        for group in self._dp_groups.values():
+        for group in [*self._dp_groups.values(), *self._tie_groups.values()]:
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        self._tie_groups = {}
         lm = self.lightning_module
         if lm is not None and has_meta_tensors(lm):
             # setup failed before this rank's stages were materialised: nothing to move to CPU
