@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mmpp.comm import MessageKey
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.hooks import pipeline_loss_caller
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
 from lightning_mmpp.schedule import BACKWARD, FORWARD, Exchange, Schedule, Transfer
@@ -30,7 +31,8 @@ class PipelineHooks(Protocol):
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any: ...
 
-    def pipeline_loss(self, output: Any, batch: Any) -> Tensor | dict[str, Tensor]: ...
+    # ``pipeline_loss(module, output, batch)``, or the older ``pipeline_loss(output, batch)``
+    def pipeline_loss(self, *args: Any) -> Tensor | dict[str, Tensor]: ...
 
 
 class Communicator(Protocol):
@@ -127,6 +129,7 @@ class PipelineRuntime:
         self.comm = comm
         self.runners = dict(runners)
         self.hooks = hooks
+        self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
         self.sinks = set(layout.topology.sinks)
 
     def run(
@@ -200,7 +203,7 @@ class PipelineRuntime:
         if loss_stage and step.keep_sink_outputs:
             step.result.sink_outputs.setdefault(k, {})[module] = out
         if loss_stage and step.compute_loss:
-            loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
+            loss, metrics = _loss_and_metrics(self.pipeline_loss(module, out, step.shard(module, k)), module)
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
             if step.training:
                 step.losses[(module, k)] = loss * scale

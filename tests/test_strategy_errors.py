@@ -61,6 +61,18 @@ class _VectorLoss(MultiModalModel):
         return output.sum(-1)
 
 
+class _WrongWiring(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.pipeline_topology = {"llm": ["enc_a"], "enc_a": []}
+
+
+class _NoWiring(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.pipeline_topology = None
+
+
 def _fit_errors(rank: int, world: int) -> dict[str, str]:
     placements = {"enc_a": P(rank_offset=0), "llm": P(rank_offset=0)} if world == 1 else {"enc_a": P(), "llm": P()}
     cases = {
@@ -71,12 +83,15 @@ def _fit_errors(rank: int, world: int) -> dict[str, str]:
         "accumulate": (MultiModalModel(TOPOLOGY), {"accumulate_grad_batches": 2}, 8),
         "batch": (MultiModalModel(TOPOLOGY), {}, 6),
         "vector_loss": (_VectorLoss(TOPOLOGY), {}, 8),
+        "wiring_mismatch": (_WrongWiring(), {}, 8),
+        "no_wiring": (_NoWiring(), {}, 8),
     }
     if world > 1:
-        cases = {k: cases[k] for k in ("batch", "no_container")}
+        cases = {k: cases[k] for k in ("batch", "no_container", "wiring_mismatch")}
     messages = {}
     for name, (model, kwargs, batch_size) in cases.items():
-        strategy = MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=4)
+        topology = None if name == "no_wiring" else TOPOLOGY
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=4)
         trainer = L.Trainer(devices=world, strategy=strategy, **QUIET, **kwargs)
         try:
             trainer.fit(model, make_loader(TOPOLOGY, batch_size, batch_size * 2))
@@ -94,6 +109,9 @@ EXPECTED = {
     "accumulate": "num_microbatches",
     "batch": "multiple of 4",
     "vector_loss": "reduce it to a scalar",
+    "wiring_mismatch": "_WrongWiring.pipeline_topology {'enc_a': [], 'llm': ['enc_a']} and the strategy's topology= "
+    "{'enc_a': ['llm'], 'llm': []} disagree",
+    "no_wiring": "declare `pipeline_topology = {module: [downstream modules]}` on _NoWiring or pass topology=",
 }
 
 
@@ -165,7 +183,8 @@ def _hooks_only(rank: int, world: int):
         return DataLoader(SyntheticDataset(16, ["enc_a"]), batch_size=8)
 
     model = _HooksOnly(TOPOLOGY)
-    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, num_microbatches=2)
+    # no topology=: the model's pipeline_topology is the wiring
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, num_microbatches=2)
     trainer = L.Trainer(devices=world, strategy=strategy, **{**QUIET, "limit_val_batches": None, "max_steps": 2})
     trainer.fit(model, make_loader(TOPOLOGY, 8, 16), val())
     fit_val = float(trainer.callback_metrics["val_loss"])
