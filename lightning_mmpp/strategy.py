@@ -324,7 +324,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             "ignore", message=r"It is recommended to use `self.log\('(train|val|test)_", category=PossibleUserWarning
         )
         assert self._partition is not None
-        self._no_grad_modules = self._modules_without_backward(self._partition.frozen_modules)
+        self._no_grad_modules = self.layout.no_backward_modules(self._partition.frozen_modules)
         self._schedules = {}
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
@@ -333,16 +333,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
-            no_grad_modules=self._no_grad_modules,
+            no_backward_modules=self._no_grad_modules,
         )
-
-    def _modules_without_backward(self, frozen: frozenset[str]) -> frozenset[str]:
-        """Frozen modules with nothing trainable upstream: they get no backward at all."""
-        closed: set[str] = set()
-        for module in self.layout.topology.order:
-            if module in frozen and all(u in closed for u in self.layout.topology.upstream(module)):
-                closed.add(module)
-        return frozenset(closed)
 
     def connect(self, model: Any) -> None:
         """Attach the model; give it placeholder step methods for this Trainer call.
@@ -443,7 +435,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             name = "gpipe" if forward_only else self.schedule_name
             self._schedules[key] = build_schedule(
                 self.layout, m, name, forward_only=forward_only, numbering=self.stage_numbering,
-                no_grad_modules=frozenset() if forward_only else self._no_grad_modules,
+                no_backward_modules=frozenset() if forward_only else self._no_grad_modules,
             )
         return self._schedules[key]
 
