@@ -199,3 +199,31 @@ class AlignmentCheckingModel(MultiModalModel):
     def pipeline_loss(self, module: str, output: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         self._check(batch)
         return super().pipeline_loss(module, output, batch)
+
+
+class DtypeRecordingModel(MultiModalModel):
+    """Records the dtype of every activation the hooks see: ``(module, "upstream:<src>" | "output", dtype)``."""
+
+    def pipeline_inputs(self, module: str, batch: dict[str, Any], upstream: dict[str, Any]) -> Any:
+        for src, value in upstream.items():
+            self._record(module, f"upstream:{src}", value.dtype)
+        return super().pipeline_inputs(module, batch, upstream)
+
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self._record(module, "output", output.dtype)
+        return super().pipeline_loss(module, output, batch)
+
+    def _record(self, module: str, what: str, dtype: torch.dtype) -> None:
+        if not hasattr(self, "seen_dtypes"):
+            self.seen_dtypes: set[tuple[str, str, str]] = set()
+        self.seen_dtypes.add((module, what, str(dtype)))
+
+
+class BatchRecorder(L.Callback):
+    """Records the ``idx`` field of every training batch this rank loaded."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch["idx"].tolist())

@@ -115,6 +115,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_fit_errors_single_rank():
     (messages,) = run_distributed(_fit_errors, 1, timeout=100, init_pg=False)
@@ -122,6 +123,7 @@ def test_fit_errors_single_rank():
         assert fragment in messages[name], f"{name}: {messages[name]}"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_fit_errors_raise_identically_on_every_rank():
     per_rank = run_distributed(_fit_errors, 2, timeout=100, init_pg=False)
@@ -140,6 +142,7 @@ def _world_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_world_size_mismatch_raises_on_every_rank():
     messages = run_distributed(_world_mismatch, 2, timeout=100, init_pg=False)
@@ -157,6 +160,7 @@ def _sink_only_error(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_error_on_one_rank_stops_its_peers():
     """pipeline_loss runs on the sink rank only; its peers must fail fast, not hang."""
@@ -196,6 +200,7 @@ def _hooks_only(rank: int, world: int):
     return fit_val, validated, tested, [tuple(p.shape) for p in predicted], leftovers
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_module_needs_only_the_pipeline_hooks():
     per_rank = run_distributed(_hooks_only, 2, timeout=100, init_pg=False)
