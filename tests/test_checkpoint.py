@@ -294,7 +294,7 @@ def test_resume_exactly_and_on_other_placements_and_errors(root, run_a, run_b):
     for label, kind, needle in (
         ("names", "PipelineConfigError", "'llm.4.lin.weight' is not in the checkpoint"),
         ("shapes", "PipelineConfigError", "'llm.4.out.weight' has shape (11, 8) in the checkpoint but (12, 8)"),
-        ("missing", "FileNotFoundError", repr(shard)),
+        ("missing", "PipelineConfigError", f"file {shard!r} (it holds "),
     ):
         errors = {r[label] for r in run_a2}
         assert len(errors) == 1, errors
