@@ -436,7 +436,9 @@ def _write_files(
                     flat[_optim_key(i, name, key)] = value
 
     # 1. data: DCP files (a collective; DCP reports any rank's failure on every rank), RNG file
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not _distributed())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not _distributed())
     error: Optional[BaseException] = None
     records: dict[str, FileRecord] = {}
     try:

@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -362,8 +363,14 @@ def dcp_load(flat: dict[str, Any], checkpoint: Path, *, distributed: bool, weigh
                 flat, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=_LoadPlanner(weights_only),
                 no_dist=not distributed,
             )
-        except pickle.UnpicklingError as exc:
-            raise PipelineConfigError(_unsafe_entry_message(checkpoint, "a non-tensor entry of the DCP data", exc)) from exc
+        except CheckpointException as exc:  # DCP gathers every rank's failures: all ranks see the same
+            for failure, _ in exc.failures.values():
+                if isinstance(failure, PipelineConfigError):
+                    raise PipelineConfigError(str(failure)) from exc
+                if isinstance(failure, pickle.UnpicklingError):
+                    where = "a non-tensor entry of the DCP data"
+                    raise PipelineConfigError(_unsafe_entry_message(checkpoint, where, failure)) from exc
+            raise
 
 
 def safe_torch_load(path: Path, *, weights_only: bool, what: str, checkpoint: Path) -> Any:
