@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -398,3 +399,39 @@ def test_metadata_unpickler_allows_only_the_index_classes(tmp_path):
     pickle.dump(Fraction(1, 2), open(tmp_path / ".metadata", "wb"))
     with pytest.raises(PipelineConfigError, match="fractions.Fraction is not part of a checkpoint index"):
         files.read_dcp_metadata(tmp_path)
+
+
+# --- optimizer state by name ---------------------------------------------------------------------
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_alone():
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = ckpt.optimizer_state_by_name(model, opt)
+    assert state["state"] == {} and not opt.state  # torch's helper would have run a zero step
+    assert state["param_groups"][0]["params"] == [n for n, _ in model.named_parameters()]
+
+
+def test_export_indexes_optimizer_state_in_model_order(tmp_path):
+    """Each group's parameters are exported in the model's order; a different order is flagged."""
+    layout = PipelineLayout(LAYOUT_1, TOPOLOGY)
+    for reverse in (False, True):
+        model = Tiny()
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params[::-1] if reverse else params, lr=0.1, momentum=0.9)
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, float(i))
+        opt.step()
+        checkpoint = {"state_dict": ckpt.model_state_dict(model), "optimizer_states": [
+            ckpt.optimizer_state_by_name(model, opt)], "global_step": 1}
+        path = tmp_path / f"reverse={reverse}"
+        ckpt.save_checkpoint(checkpoint, path, model=model, layout=layout, rank=0, device=CPU)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.export_checkpoint(path, tmp_path / "out.ckpt")
+        flagged = [w for w in caught if "in another order than the model's" in str(w.message)]
+        assert len(flagged) == int(reverse)
+        exported = torch.load(tmp_path / "out.ckpt", weights_only=True)["optimizer_states"][0]
+        assert exported["param_groups"][0]["params"] == list(range(len(params)))
+        for i, p in enumerate(model.parameters()):  # index i holds the i-th parameter's momentum
+            torch.testing.assert_close(exported["state"][i]["momentum_buffer"], torch.full_like(p, float(i)))
