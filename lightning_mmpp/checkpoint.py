@@ -199,12 +199,12 @@ def _raise_first(reports: Sequence[Optional[tuple[str, str]]], own: Optional[Bas
 
 
 def _report(exc: Optional[BaseException]) -> Optional[tuple[str, str]]:
+    """What a rank tells its peers about its failure: the kind (as ``_raise_first`` rebuilds it) and message."""
     if exc is None:
         return None
-    kind = type(exc).__name__ if isinstance(exc, (FileNotFoundError, PipelineConfigError)) else (
-        "OSError" if isinstance(exc, OSError) else type(exc).__name__
-    )
-    return kind, str(exc)
+    if isinstance(exc, (FileNotFoundError, PipelineConfigError)):
+        return type(exc).__name__, str(exc)
+    return ("OSError" if isinstance(exc, OSError) else type(exc).__name__), str(exc)
 
 
 # --- state by name -------------------------------------------------------------------------------
@@ -504,8 +504,8 @@ def remove_checkpoint(filepath: PathLike, *, rank: int) -> None:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _open_checkpoint(path: Path, weights_only: bool) -> tuple[dict[str, FileRecord], Metadata, dict[str, Any]]:
-    """Check the directory, verify and read its index and ``meta.pt``."""
+def _open_checkpoint(path: Path, verify: bool = True) -> tuple[Optional[dict[str, FileRecord]], Metadata]:
+    """Check the directory; verify (against the manifest) and read its index safely."""
     if not path.exists():
         aside = interrupted_replacement(path)
         hint = (
@@ -519,9 +519,15 @@ def _open_checkpoint(path: Path, weights_only: bool) -> tuple[dict[str, FileReco
             "directories it writes (a single-file checkpoint can be loaded with MyModule.load_from_checkpoint "
             "before fitting instead)."
         )
-    manifest = read_manifest(path)
-    verify_files(path, manifest, [DCP_METADATA_FILE, META_FILE])
-    metadata = read_dcp_metadata(path)
+    manifest = read_manifest(path) if verify else None
+    if manifest is not None:
+        verify_files(path, manifest, [DCP_METADATA_FILE])
+    return manifest, read_dcp_metadata(path)
+
+
+def _read_meta(path: Path, manifest: Mapping[str, FileRecord], weights_only: bool) -> dict[str, Any]:
+    """Verify and read ``meta.pt`` (plain data only unless ``weights_only=False``)."""
+    verify_files(path, manifest, [META_FILE])
     meta = safe_torch_load(path / META_FILE, weights_only=weights_only, what="Lightning's state", checkpoint=path)
     info = meta.get("mmpp") if isinstance(meta, dict) else None
     if not isinstance(info, dict):
@@ -534,7 +540,7 @@ def _open_checkpoint(path: Path, weights_only: bool) -> tuple[dict[str, FileReco
             f"checkpoint {str(path)!r} has format {info.get('format')!r}; this version of lightning_mmpp reads "
             f"format {FORMAT_VERSION}."
         )
-    return manifest, metadata, meta
+    return meta
 
 
 def _files_holding(metadata: Metadata, fqns: Sequence[str]) -> dict[str, list[str]]:
@@ -663,7 +669,9 @@ def load_checkpoint(
     plan: dict[str, Any] = {}
     try:
         path = _local_path(path_text)
-        manifest, metadata, meta = _open_checkpoint(path, weights_only=not unsafe)
+        manifest, metadata = _open_checkpoint(path)
+        assert manifest is not None
+        meta = _read_meta(path, manifest, weights_only=not unsafe)
         plan["model"] = _plan_model(path, metadata, local_state, strict)
         fqns = [_model_key(n) for n in plan["model"]]
         plan["optimizers"] = None
@@ -759,7 +767,7 @@ def load_optimizer_states(
 
 def read_checkpoint_tensors(
     checkpoint_dir: PathLike, names: Optional[Sequence[str]] = None, *, prefix: str = MODEL_PREFIX,
-    weights_only: bool = True,
+    weights_only: bool = True, verify: bool = True,
 ) -> dict[str, Any]:
     """Read entries of a checkpoint directory on one process (no process group), verified.
 
@@ -769,13 +777,16 @@ def read_checkpoint_tensors(
         prefix: ``"model/"`` for the model's state (parameter names as in ``model.state_dict()``),
             ``"optim/"`` for optimizer entries, ``""`` for raw DCP keys.
         weights_only: ``False`` also unpickles non-tensor entries holding arbitrary objects.
+        verify: ``False`` reads a DCP directory without a manifest (one not written by this
+            package); the index is still read safely.
 
     Returns:
         ``{name: tensor or value}``. Only the files holding these entries are read, after their
-        size and CRC32 were checked against the manifest. Unknown names raise ``PipelineConfigError``.
+        size and CRC32 were checked against the manifest (``meta.pt`` is not read). Unknown
+        names raise ``PipelineConfigError``.
     """
     path = _local_path(checkpoint_dir)
-    manifest, metadata, _ = _open_checkpoint(path, weights_only=weights_only)
+    manifest, metadata = _open_checkpoint(path, verify=verify)
     stored = metadata.state_dict_metadata
     wanted = [fqn[len(prefix):] for fqn in stored if fqn.startswith(prefix)] if names is None else list(names)
     missing = [n for n in wanted if prefix + n not in stored]
@@ -789,11 +800,13 @@ def read_checkpoint_tensors(
 
 
 def _read_entries(
-    path: Path, manifest: Mapping[str, FileRecord], metadata: Metadata, fqns: Sequence[str], weights_only: bool
+    path: Path, manifest: Optional[Mapping[str, FileRecord]], metadata: Metadata, fqns: Sequence[str],
+    weights_only: bool,
 ) -> dict[str, Any]:
-    """Verify the files holding ``fqns`` and read them on this process alone."""
-    holds = _files_holding(metadata, fqns)
-    verify_files(path, manifest, list(holds), holds)
+    """Verify the files holding ``fqns`` (with a manifest) and read them on this process alone."""
+    if manifest is not None:
+        holds = _files_holding(metadata, fqns)
+        verify_files(path, manifest, list(holds), holds)
     flat = {fqn: _empty_like_stored(metadata.state_dict_metadata[fqn]) for fqn in fqns}
     dcp_load(flat, path, distributed=False, weights_only=weights_only)
     return flat
@@ -820,7 +833,9 @@ def export_checkpoint(checkpoint_dir: PathLike, out_path: PathLike, *, weights_o
     """
     path = _local_path(checkpoint_dir)
     unsafe = weights_only is False
-    manifest, metadata, meta = _open_checkpoint(path, weights_only=not unsafe)
+    manifest, metadata = _open_checkpoint(path)
+    assert manifest is not None
+    meta = _read_meta(path, manifest, weights_only=not unsafe)
     fqns = [fqn for fqn in metadata.state_dict_metadata if fqn.startswith((MODEL_PREFIX, OPTIM_PREFIX))]
     flat = _read_entries(path, manifest, metadata, fqns, not unsafe)
 

@@ -248,7 +248,10 @@ def test_corrupt_files_are_named(saved):
         restore()
         _flip_bit(saved / name, 40)
         with pytest.raises(PipelineConfigError, match=f"{where}{name!r} is corrupt"):
-            ckpt.read_checkpoint_tensors(saved)
+            ckpt.export_checkpoint(saved, saved.parent / "out.ckpt")
+    restore()
+    _flip_bit(saved / "meta.pt", 40)
+    assert set(ckpt.read_checkpoint_tensors(saved, ["llm.1.bias"])) == {"llm.1.bias"}  # reads no meta.pt
 
     # the manifest itself: missing, broken, or not listing a file that is read
     restore()
@@ -435,3 +438,17 @@ def test_export_indexes_optimizer_state_in_model_order(tmp_path):
         assert exported["param_groups"][0]["params"] == list(range(len(params)))
         for i, p in enumerate(model.parameters()):  # index i holds the i-th parameter's momentum
             torch.testing.assert_close(exported["state"][i]["momentum_buffer"], torch.full_like(p, float(i)))
+
+
+def test_reading_a_foreign_dcp_directory(tmp_path):
+    """A DCP directory not written by this package (no manifest): refused unless verify=False."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"layer.weight": torch.arange(6.0).reshape(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "foreign")), no_dist=True)
+    with pytest.raises(PipelineConfigError, match="has no manifest.json"):
+        ckpt.read_checkpoint_tensors(tmp_path / "foreign", prefix="")
+    read = ckpt.read_checkpoint_tensors(tmp_path / "foreign", prefix="", verify=False)
+    assert torch.equal(read["layer.weight"], state["layer.weight"])
