@@ -166,3 +166,35 @@ class SyntheticDataset(Dataset):
 def make_loader(topology: Mapping[str, Sequence[str]], batch_size: int, size: int) -> DataLoader:
     encoders = [m for m in topology if m.startswith("enc")]
     return DataLoader(SyntheticDataset(size, encoders), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+class NamedSamples(Dataset):
+    """``SyntheticDataset`` samples with a per-sample string ``name`` and their index ``idx``:
+    collated, ``name`` is a list of strings the strategy must split with the samples."""
+
+    def __init__(self, size: int, encoders: Sequence[str], seed: int = 0) -> None:
+        self.inner = SyntheticDataset(size, encoders, seed)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.inner[i], "name": f"s{i}", "idx": i}
+
+
+class AlignmentCheckingModel(MultiModalModel):
+    """Fails if a hook sees a ``name`` list that does not match the samples it was given."""
+
+    def _check(self, batch: dict[str, Any]) -> None:
+        expected = [f"s{i}" for i in batch["idx"].tolist()]
+        if batch["name"] != expected:
+            raise ValueError(f"misaligned per-sample names: {batch['name']} for samples {expected}")
+        self.checked = getattr(self, "checked", 0) + 1
+
+    def pipeline_inputs(self, module: str, batch: dict[str, Any], upstream: dict[str, Any]) -> Any:
+        self._check(batch)
+        return super().pipeline_inputs(module, batch, upstream)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self._check(batch)
+        return super().pipeline_loss(output, batch)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy
 from tests.dist import run_distributed
-from tests.models import MultiModalModel, SyntheticDataset, make_loader
+from tests.models import AlignmentCheckingModel, MultiModalModel, NamedSamples, SyntheticDataset, make_loader
 
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}
 LAYOUTS = {
@@ -109,6 +109,12 @@ def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
         run.fit(model, DataLoader(SyntheticDataset(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
         seeded.append(_params(model))
     out["seeded"] = seeded
+    # per-sample strings are split with their samples, over microbatches and dp shards
+    model = AlignmentCheckingModel(TOPOLOGY)
+    run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=2, logger=False,
+                    limit_val_batches=0, **QUIET)
+    run.fit(model, DataLoader(NamedSamples(BS * 2, ["enc_a"]), batch_size=BS))
+    out["alignment_checks"] = getattr(model, "checked", 0)
     return out
 
 
@@ -147,6 +153,8 @@ def test_lightning_features(layout, tmp_path):
         for ours, ref in zip(result["predict"], reference["predict"]):
             close(ours, ref, "predict")
         assert math.isfinite(result["bf16_loss"])
+        # every hook call this rank made saw names matching its samples (2 steps x M microbatches)
+        assert result["alignment_checks"] >= 2 * M, result["alignment_checks"]
         first, second = result["seeded"]
         for name in first:
             assert torch.equal(first[name], second[name]), f"seeded runs differ on {name}"

@@ -153,6 +153,7 @@ class _HooksOnly(MultiModalModel):
     training_step = L.LightningModule.training_step
     validation_step = L.LightningModule.validation_step
     test_step = L.LightningModule.test_step
+    predict_step = L.LightningModule.predict_step  # and no forward
 
 
 def _hooks_only(rank: int, world: int):
@@ -170,12 +171,34 @@ def _hooks_only(rank: int, world: int):
     fit_val = float(trainer.callback_metrics["val_loss"])
     validated = trainer.validate(model, val(), verbose=False)[0]["val_loss"]
     tested = trainer.test(model, val(), verbose=False)[0]["test_loss"]
-    return fit_val, validated, tested
+    predicted = trainer.predict(model, val())
+    # the placeholders live only for the Trainer call: nothing stays bound on the model
+    leftovers = sorted(n for n in ("training_step", "validation_step", "test_step", "predict_step") if n in vars(model))
+    return fit_val, validated, tested, [tuple(p.shape) for p in predicted], leftovers
 
 
 @pytest.mark.timeout(120)
 def test_module_needs_only_the_pipeline_hooks():
     per_rank = run_distributed(_hooks_only, 2, timeout=100, init_pg=False)
     assert per_rank[0] == per_rank[1]
-    fit_val, validated, tested = per_rank[0]
+    fit_val, validated, tested, predicted_shapes, leftovers = per_rank[0]
     assert fit_val == pytest.approx(validated) == pytest.approx(tested)
+    assert predicted_shapes == [(8, 3, 11), (8, 3, 11)]  # the sink output of each batch, no predict_step
+    assert leftovers == []
+
+
+def test_precision_plugin_is_a_clipping_copy_and_pickles():
+    """Global-norm clipping comes from a copy of the user's plugin; the user's object is untouched."""
+    import pickle
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    users = MixedPrecision("bf16-mixed", "cpu")
+    before = dict(vars(users))
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, 4, precision_plugin=users)
+    plugin = strategy.precision_plugin
+    assert plugin is not users and isinstance(plugin, MixedPrecision)
+    assert type(plugin).clip_grad_by_norm is not MixedPrecision.clip_grad_by_norm
+    assert vars(users) == before
+    copy = pickle.loads(pickle.dumps(strategy))  # the spawn launcher pickles the strategy
+    assert isinstance(copy.precision_plugin, MixedPrecision) and copy.precision_plugin.pipeline_strategy is copy
