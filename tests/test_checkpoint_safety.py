@@ -452,3 +452,66 @@ def test_reading_a_foreign_dcp_directory(tmp_path):
         ckpt.read_checkpoint_tensors(tmp_path / "foreign", prefix="")
     read = ckpt.read_checkpoint_tensors(tmp_path / "foreign", prefix="", verify=False)
     assert torch.equal(read["layer.weight"], state["layer.weight"])
+
+
+# --- DTensor (FSDP2-sharded) state goes through the same functions ------------------------------
+
+
+def _dtensor_round_trips(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layout = PipelineLayout({"enc": P(dp=2, rank_offset=0), "llm": P(dp=2, rank_offset=0)}, TOPOLOGY)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def build(seed: int, shard: bool) -> tuple[Tiny, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = Tiny()
+        if shard:
+            for layer in [*model.enc, *model.llm]:
+                fully_shard(layer, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def full(value):
+        return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+    def state(model, opt) -> dict:
+        return {
+            "model": {k: full(v).clone() for k, v in ckpt.model_state_dict(model).items()},
+            "exp_avg": {k: full(s["exp_avg"]).clone() for k, s in ckpt.optimizer_state_by_name(model, opt)["state"].items()},
+        }
+
+    out = {}
+    for label, shard_saved in (("sharded -> sharded", True), ("unsharded -> sharded", False)):
+        model, opt = build(0, shard_saved)
+        model.llm(model.enc(torch.ones(2, 4))).sum().backward()
+        opt.step()
+        path = Path(root) / label.replace(" ", "")
+        checkpoint = {"state_dict": ckpt.model_state_dict(model), "optimizer_states": [
+            ckpt.optimizer_state_by_name(model, opt)], "global_step": 1}
+        out[f"{label} types"] = sorted({type(v).__name__ for v in checkpoint["state_dict"].values()})
+        ckpt.save_checkpoint(checkpoint, path, model=model, layout=layout, rank=rank, device=CPU)
+        saved = state(model, opt)
+        model2, opt2 = build(1, True)
+        loaded = ckpt.load_checkpoint(path, model=model2, optimizers=[opt2], layout=layout, rank=rank, device=CPU,
+                                      fitting=True)
+        ckpt.load_model_state(model2, loaded["state_dict"])
+        ckpt.load_optimizer_states(model2, [opt2], loaded["optimizer_states"], CPU)
+        out[label] = (saved, state(model2, opt2), str(path))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_dtensor_state_saves_and_resumes_across_sharding(tmp_path):
+    results = run_distributed(_dtensor_round_trips, 2, str(tmp_path), timeout=90)
+    assert results[0]["sharded -> sharded types"] == ["DTensor"]
+    assert results[0]["unsharded -> sharded types"] == ["Tensor"]
+    for label in ("sharded -> sharded", "unsharded -> sharded"):
+        saved, restored, path = results[0][label]
+        for part in ("model", "exp_avg"):
+            assert saved[part].keys() == restored[part].keys()
+            for name in saved[part]:
+                assert torch.equal(saved[part][name], restored[part][name]), (label, part, name)
+        on_disk = ckpt.read_checkpoint_tensors(path)  # one process reads the full tensors
+        for name, value in saved["model"].items():
+            assert torch.equal(on_disk[name], value), (label, name)
