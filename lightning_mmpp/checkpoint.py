@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -92,7 +91,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_mmpp.checkpoint_files import (
-    MANIFEST_FILE,
     FileRecord,
     dcp_load,
     file_record,
@@ -127,7 +125,6 @@ META_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
-_RNG_FILE_RE = re.compile(r"rng_rank\d+\.pt")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -758,7 +755,8 @@ def load_optimizer_states(
             raise PipelineConfigError(
                 "the optimizer's parameter groups changed between loading the checkpoint and restoring it"
             )
-        opt.load_state_dict({"state": {position[n]: dict(s) for n, s in state["state"].items()}, "param_groups": groups})
+        by_position = {position[name]: dict(s) for name, s in state["state"].items()}
+        opt.load_state_dict({"state": by_position, "param_groups": groups})
         _optimizer_to_device(opt, device)
 
 

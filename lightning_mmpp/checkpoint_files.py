@@ -66,6 +66,7 @@ MANIFEST_FILE = "manifest.json"
 _CHUNK = 4 << 20
 _PARTIAL = ".partial-"
 _REPLACED = ".replaced-"
+_REMOVING = ".removing-"
 
 
 # --- sizes and checksums -----------------------------------------------------------------------
@@ -142,7 +143,8 @@ def verify_files(
         what = ""
         if holds and holds.get(name):
             entries = holds[name]
-            what = f" (it holds {entries[0]!r}" + (f" and {len(entries) - 1} more entries)" if len(entries) > 1 else ")")
+            more = f" and {len(entries) - 1} more entries" if len(entries) > 1 else ""
+            what = f" (it holds {entries[0]!r}{more})"
         record = manifest.get(name)
         where = f"checkpoint {str(checkpoint)!r}: file {name!r}{what}"
         if record is None:
@@ -247,8 +249,9 @@ def publish(staging: Path, final: Path) -> None:
     fsync_directory(final.parent)
     if previous is not None:
         remove_directory(previous)
+    leftovers = tuple(f".{final.name}{kind}" for kind in (_PARTIAL, _REPLACED, _REMOVING))
     for leftover in final.parent.glob(f".{_glob_escape(final.name)}.*"):
-        if leftover.name.startswith((f".{final.name}{_PARTIAL}", f".{final.name}{_REPLACED}")):
+        if leftover.name.startswith(leftovers):
             remove_directory(leftover)
 
 
@@ -266,7 +269,7 @@ def remove_directory(path: Path) -> None:
         return
     doomed = path
     if not path.name.startswith("."):
-        doomed = path.parent / f".{path.name}.removing-{secrets.token_hex(4)}"
+        doomed = path.parent / f".{path.name}{_REMOVING}{secrets.token_hex(4)}"
         os.rename(path, doomed)
     shutil.rmtree(doomed)
 

@@ -478,7 +478,9 @@ def _dtensor_round_trips(rank: int, world: int, root: str) -> dict:
     def state(model, opt) -> dict:
         return {
             "model": {k: full(v).clone() for k, v in ckpt.model_state_dict(model).items()},
-            "exp_avg": {k: full(s["exp_avg"]).clone() for k, s in ckpt.optimizer_state_by_name(model, opt)["state"].items()},
+            "exp_avg": {
+                k: full(s["exp_avg"]).clone() for k, s in ckpt.optimizer_state_by_name(model, opt)["state"].items()
+            },
         }
 
     out = {}
