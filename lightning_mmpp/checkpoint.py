@@ -80,6 +80,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -265,13 +266,13 @@ def _order_keys(model: nn.Module, layout: PipelineLayout, rank: int, names: Sequ
 
 def _local_path(path: PathLike) -> Path:
     text = os.fspath(path)
-    if "://" in text:
+    if not _is_local_file_protocol(text):  # Lightning's helper: fsspec's protocol of the path is "file"
         raise PipelineConfigError(
             f"checkpoint path {text!r}: MultiModulePipelineStrategy writes checkpoints with "
             "torch.distributed.checkpoint's FileSystemWriter, to a local or shared file system path; remote URLs "
             "are not supported. Save to a path every rank can reach and copy it afterwards."
         )
-    return Path(text)
+    return Path(text.removeprefix("file://"))
 
 
 def _writes(layout: PipelineLayout, rank: int, name: str) -> bool:

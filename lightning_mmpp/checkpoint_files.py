@@ -247,12 +247,15 @@ def publish(staging: Path, final: Path) -> None:
         previous = _move_aside(final)  # between these two renames ``final`` is absent
         os.rename(staging, final)
     fsync_directory(final.parent)
-    if previous is not None:
-        remove_directory(previous)
+    # the new checkpoint is in place: failing to delete old files is worth a warning, not an error
     leftovers = tuple(f".{final.name}{kind}" for kind in (_PARTIAL, _REPLACED, _REMOVING))
-    for leftover in final.parent.glob(f".{_glob_escape(final.name)}.*"):
-        if leftover.name.startswith(leftovers):
-            remove_directory(leftover)
+    doomed = [previous] if previous is not None else []
+    doomed += [p for p in final.parent.glob(f".{_glob_escape(final.name)}.*") if p.name.startswith(leftovers)]
+    for path in doomed:
+        try:
+            remove_directory(path)
+        except OSError as exc:
+            warnings.warn(f"the checkpoint {str(final)!r} was saved, but {str(path)!r} could not be deleted: {exc}")
 
 
 def _glob_escape(name: str) -> str:

@@ -517,3 +517,9 @@ def test_dtensor_state_saves_and_resumes_across_sharding(tmp_path):
         on_disk = ckpt.read_checkpoint_tensors(path)  # one process reads the full tensors
         for name, value in saved["model"].items():
             assert torch.equal(on_disk[name], value), (label, name)
+
+
+def test_remote_urls_are_refused_and_file_urls_are_local(saved):
+    with pytest.raises(PipelineConfigError, match="remote URLs are not supported"):
+        ckpt.read_checkpoint_tensors("s3://bucket/ckpt")
+    assert set(ckpt.read_checkpoint_tensors(f"file://{saved}", ["enc.0.bias"])) == {"enc.0.bias"}
