@@ -163,6 +163,14 @@ def _failing_saves(rank: int, world: int, path: str) -> dict:
     except OSError as exc:
         out["error"] = (type(exc).__name__, str(exc))
     ckpt._write_manifest = _write_manifest
+    # rank 1 fails while writing its own files: every rank raises its error
+    if rank == 1:
+        ckpt._rng_state = disk_full
+    try:
+        _save(layout, rank, 2, final)
+    except OSError as exc:
+        out["error of rank 1"] = (type(exc).__name__, str(exc))
+    ckpt._rng_state = _rng_state
     # a successful save through the fallback path (no atomic exchange available)
     files._exchange = lambda a, b: False
     _save(layout, rank, 3, final)
@@ -172,6 +180,7 @@ def _failing_saves(rank: int, world: int, path: str) -> dict:
 
 
 _write_manifest = ckpt._write_manifest
+_rng_state = ckpt._rng_state
 _exchange = files._exchange
 
 
@@ -181,6 +190,8 @@ def test_a_failing_save_raises_on_every_rank_and_keeps_the_old_checkpoint(tmp_pa
     results = run_distributed(_failing_saves, 2, str(final), timeout=60)
     assert results[0]["error"] == results[1]["error"]
     assert results[0]["error"][0] == "OSError" and "No space left on device" in results[0]["error"][1]
+    assert results[0]["error of rank 1"] == results[1]["error of rank 1"]
+    assert "No space left on device" in results[0]["error of rank 1"][1]
     assert _version(final) == 3
     assert results[0]["hidden"] == []  # no staging or replaced directories left behind
 
