@@ -14,11 +14,14 @@ for that):
   complete under the ``replaced`` name, which loading points to.
 * **Manifest.** ``manifest.json`` (plain JSON, written last) lists every file with its size and
   CRC32; loading checks the files it reads against it, before any of them is parsed.
-* **Safe reading.** torch.distributed.checkpoint reads its index (``.metadata``) with plain
-  ``pickle`` and non-tensor entries with ``torch.load(weights_only=False)``: both can run code
-  stored in a crafted file. :class:`SafeFileSystemReader` unpickles the index with an allow-list
-  of the few plain classes the format uses, and :func:`dcp_load` reads non-tensor entries with
-  ``weights_only=True`` unless the caller opts out.
+* **Safe reading.** torch.distributed.checkpoint (checked in torch 2.13, which has no safe
+  option for either) reads its index (``.metadata``) with plain ``pickle.load`` in
+  ``FileSystemReader.read_metadata`` and non-tensor entries with ``torch.load(weights_only=False)``
+  in ``DefaultLoadPlanner.load_bytes``: both can run code stored in a crafted file (tensor data
+  is already read with ``weights_only=True``). :class:`SafeFileSystemReader` unpickles the index
+  with an allow-list of the few plain classes the format uses (its dataclasses, ``torch.Size``,
+  dtypes, layouts, ``pathlib`` paths), and :func:`dcp_load` reads non-tensor entries with
+  ``weights_only=True`` unless the caller opts out. Use them for any DCP directory, ours or not.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "dcp_load",
     "file_record",
     "publish",
+    "read_dcp_metadata",
     "read_manifest",
     "remove_directory",
     "safe_torch_load",
