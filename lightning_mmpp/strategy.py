@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils._pytree import tree_map
 
-from lightning_mmpp.checkpoint import PipelineCheckpointMixin
+from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan_construction
 from lightning_mmpp.data_parallel import StageGradients
@@ -109,7 +109,7 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     return clone
 
 
-class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
+class MultiModulePipelineStrategy(ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
     Each module (an ``nn.Sequential`` / ``nn.ModuleList`` attribute of the LightningModule
@@ -118,7 +118,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     Args:
         placements: ``{module: ModulePlacement(pp, dp, rank_offset)}``.
-        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss.
+        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss. May be
+            omitted when the LightningModule declares it as ``pipeline_topology``; if both are
+            given they must agree.
         num_microbatches: microbatches per global batch.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         stage_numbering: ``"alap"`` (default) or ``"asap"``; which global stage index bounds the
@@ -145,8 +147,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     def __init__(
         self,
         placements: Mapping[str, ModulePlacement],
-        topology: Mapping[str, Sequence[str]],
-        num_microbatches: int,
+        topology: Optional[Mapping[str, Sequence[str]]] = None,
+        num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         *,
         stage_numbering: Literal["alap", "asap"] = "alap",
@@ -168,10 +170,12 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_schedule_args(schedule, num_microbatches, stage_numbering)
+        check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
         if start_method not in ("popen", "spawn", "fork"):
             raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
-        self.layout = PipelineLayout(placements, topology)
+        self._placements = placements
+        # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
+        self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.stage_numbering = stage_numbering
@@ -191,17 +195,14 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
-        # the unpartitioned model's state-dict keys in order (for exports), kept across Trainer calls
-        self._unpartitioned_keys: Optional[list[str]] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
-        self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
         self.pretrained = dict(pretrained or {})
-        unknown = sorted(set(self.pretrained) - set(self.layout.modules))
+        unknown = sorted(set(self.pretrained) - set(placements))
         if unknown:
             raise PipelineConfigError(
-                f"pretrained= names {unknown}, which are not placed modules {list(self.layout.modules)}; key it by "
+                f"pretrained= names {unknown}, which are not placed modules {list(placements)}; key it by "
                 "placement name."
             )
         self._pretrained_keys_read: dict[str, list[str]] = {}
@@ -210,8 +211,42 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     # --- Lightning plumbing ----------------------------------------------------------------
 
     @property
+    def layout(self) -> PipelineLayout:
+        """The placement of every module on ranks (known once a topology is: see ``topology``)."""
+        if self._layout is None:
+            raise PipelineConfigError(
+                "MultiModulePipelineStrategy(topology=None) has no topology until the Trainer connects the model; "
+                "declare `pipeline_topology` on the LightningModule or pass topology= to the strategy."
+            )
+        return self._layout
+
+    @property
     def topology(self) -> ModuleTopology:
         return self.layout.topology
+
+    def _resolve_topology(self, model: Any) -> None:
+        """Take the model's ``pipeline_topology``; check it against the strategy's ``topology=``."""
+        declared = getattr(model, "pipeline_topology", None)
+        if declared is None:
+            if self._layout is None:
+                raise PipelineConfigError(
+                    f"MultiModulePipelineStrategy has no topology: declare `pipeline_topology = {{module: "
+                    f"[downstream modules]}}` on {type(model).__name__} or pass topology= to the strategy."
+                )
+            return
+        try:
+            ours = ModuleTopology(declared)
+        except PipelineConfigError as err:
+            raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
+        if self._layout is None:
+            self._layout = PipelineLayout(self._placements, ours)
+            return
+        theirs = self._layout.topology
+        if _edges(ours) != _edges(theirs):
+            raise PipelineConfigError(
+                f"{type(model).__name__}.pipeline_topology {_edges(ours)} and the strategy's topology= "
+                f"{_edges(theirs)} disagree; pass only one (the model's is enough) or make them equal."
+            )
 
     @property
     def is_distributed(self) -> bool:
@@ -336,6 +371,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         instance to a placeholder that explains this if called directly; ``teardown`` removes
         them again.
         """
+        self._resolve_topology(model)
         trainer = getattr(model, "_trainer", None)
         if trainer is not None:
             fn = trainer.state.fn
@@ -461,7 +497,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         size = batch_size_of(batch)
         kind = "predict" if predict else "eval" if forward_only else "train"
         largest = self._largest_batch.get(kind, 0)
-        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < largest)
+        divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+        m = microbatch_count(size, self.num_microbatches, divisor, short=size < largest)
         self._largest_batch[kind] = max(largest, size)
         micro = split_microbatches(batch, m)
         per = size // m
@@ -629,6 +666,50 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         assert self._gradients is not None
         return self._gradients.clip_norm_(max_norm, self.root_device)
 
+    # --- checkpoint hooks (the work is done by lightning_mmpp.checkpoint) -----------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the model is partitioned in ``setup``: a rank loads only what it owns, after that
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return _checkpoint.model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the checkpoint is "
+                "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+            )
+        _checkpoint.save_checkpoint(
+            checkpoint, filepath, model=self.lightning_module, layout=self.layout, rank=self.global_rank,
+            device=self.root_device,
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        lm = self.lightning_module
+        trainer = getattr(lm, "_trainer", None)
+        return _checkpoint.load_checkpoint(
+            checkpoint_path, model=lm, optimizers=self.optimizers, layout=self.layout, rank=self.global_rank,
+            device=self.root_device, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+            strict=bool(getattr(lm, "strict_loading", True)), weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _checkpoint.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        _checkpoint.load_optimizer_states(
+            self.lightning_module, self.optimizers, checkpoint["optimizer_states"], self.root_device
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _checkpoint.remove_checkpoint(filepath, rank=self.global_rank)
+
     # --- collectives Lightning asks for ----------------------------------------------------
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
@@ -687,12 +768,22 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         super().teardown()
 
     def __str__(self) -> str:
+        if self._layout is None:
+            return (
+                f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
+                f"placements={dict(self._placements)}, topology from the model)"
+            )
         return (
             f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
             f"world_size={self.layout.world_size})\n{self.layout.table()}"
         )
 
     __repr__ = __str__
+
+
+def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
+    """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
+    return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
 
 
 def _to_cpu(payload: Any) -> Any:

@@ -37,6 +37,7 @@ class MetaBuiltModel(MultiModalModel):
     def __init__(self, topology: Mapping[str, Sequence[str]], freeze: Sequence[str] = (), optimizer: str = "sgd") -> None:
         L.LightningModule.__init__(self)
         self.topology = {k: list(v) for k, v in topology.items()}
+        self.pipeline_topology = self.topology
         self.lr = 0.1
         self.optimizer_name = optimizer
         self.scheduler = None
@@ -271,6 +272,7 @@ def test_unknown_pretrained_module_is_refused():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.distributed
 def test_meta_build_is_layout_independent_and_trains_like_one_process():
     """Layouts A (colocation) and B (fan-in) initialise bitwise like ``materialize`` in one process,
     allocate nothing they do not own, and train like the single-process run started from it."""
@@ -292,6 +294,7 @@ def _fit_pretrained_and_errors(rank, world, placements, sources, bad):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.distributed
 def test_pretrained_under_the_strategy(tmp_path):
     """Each source kind loads the values a single process loads; a frozen pretrained encoder trains
     like one process; each rank reads only its own stages; a mismatch fails on every rank."""

@@ -67,6 +67,7 @@ def _pipelined(rank, world, placements):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.distributed
 def test_per_token_loss_matches_single_process(layout):
     reference = _fit()
     placements = LAYOUTS[layout]

@@ -60,6 +60,7 @@ def _pipelined(rank, world, paths):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.distributed
 def test_vlm_example_matches_one_process(tmp_path):
     paths = vlm.write_pretrained(tmp_path, **SIZE)
     # one process: the same meta build, materialize, the same pretrained files
