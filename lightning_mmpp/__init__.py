@@ -10,7 +10,7 @@ lower layers (topology, placement, schedule, simulator) import without Lightning
 
 from typing import Any
 
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.reference import run_unpipelined
 from lightning_mmpp.topology import ModuleTopology
@@ -20,6 +20,7 @@ __all__ = [
     "ModuleTopology",
     "MultiModulePipelineStrategy",
     "PipelineConfigError",
+    "PipelineError",
     "PipelineLayout",
     "StageSlot",
     "export_checkpoint",

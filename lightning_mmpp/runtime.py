@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mmpp.comm import MessageKey
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
+from lightning_mmpp.failures import FailureBoard
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
 from lightning_mmpp.schedule import BACKWARD, FORWARD, Exchange, Schedule, Transfer
@@ -47,6 +48,8 @@ class StepResult:
     """
 
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
+    # (sink module, microbatch) -> the unscaled loss (detached), to name a non-finite one
+    sink_losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)
     sink_outputs: dict[int, Any] = field(default_factory=dict)
     peak_stashed: int = 0
     # bytes of the stashed outputs and received inputs held for backwards, at their peak
@@ -119,8 +122,10 @@ class PipelineRuntime:
         hooks: PipelineHooks,
         tracer: Tracer | None = None,
         no_grad_modules: frozenset[str] = frozenset(),
+        failures: FailureBoard | None = None,
     ) -> None:
         self.no_grad_modules = no_grad_modules
+        self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
         self.tracer = tracer if tracer is not None else NULL_TRACER
         self.layout = layout
         self.rank = rank
@@ -148,16 +153,24 @@ class PipelineRuntime:
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss
         )
         for action in schedule.for_rank(self.rank):
-            if isinstance(action, Exchange):
-                self._exchange(step, action)
-                continue
-            runner = self.runners[action.module]
-            name = "forward" if action.phase == FORWARD else "backward"
-            with self.tracer.span(name, action.module, microbatch=action.microbatch, stage=runner.stage):
-                if action.phase == FORWARD:
-                    self._forward(step, runner, action.microbatch)
-                else:
-                    self._backward(step, runner, action.microbatch)
+            try:
+                if isinstance(action, Exchange):
+                    self._exchange(step, action)
+                    continue
+                runner = self.runners[action.module]
+                name = "forward" if action.phase == FORWARD else "backward"
+                with self.tracer.span(name, action.module, microbatch=action.microbatch, stage=runner.stage):
+                    if action.phase == FORWARD:
+                        self._forward(step, runner, action.microbatch)
+                    else:
+                        self._backward(step, runner, action.microbatch)
+            except PipelineError:
+                raise
+            except Exception as err:  # this rank's own failure: the root cause its peers will name
+                transfers = action.sends + action.recvs if isinstance(action, Exchange) else ()
+                k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
+                self.failures.publish_exception(err, k)
+                raise
         assert not step.received and not step.out_grads and not step.losses, "stash not drained"
         return step.result
 
@@ -167,12 +180,10 @@ class PipelineRuntime:
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 got = self.comm.exchange(sends, recv_keys)
-            except RuntimeError as err:
-                peers = sorted({t.peer for t in action.sends + action.recvs})
-                raise RuntimeError(
-                    f"rank {self.rank}: a transfer with rank(s) {peers} failed during the pipeline step. If a peer "
-                    f"raised an error, its message (on that rank) is the cause. Transport error: {err}"
-                ) from err
+            except RuntimeError as err:  # a peer failed, died or timed out: name the root cause
+                transfers = action.sends + action.recvs
+                peers = {t.peer for t in transfers}
+                raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
         for key, payload in got.items():
             if key.direction == FORWARD:
                 step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
@@ -202,6 +213,7 @@ class PipelineRuntime:
         if loss_stage and step.compute_loss:
             loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
+            step.result.sink_losses[(module, k)] = loss.detach()
             if step.training:
                 step.losses[(module, k)] = loss * scale
             self._accumulate(step.result, module, loss, metrics, scale)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import sys
 import time
 import types
 import warnings
@@ -40,6 +42,8 @@ from lightning_mmpp.checkpoint import PipelineCheckpointMixin
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.data_parallel import sum_gradients
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
+from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
 from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.partition import Partition, partition_model
@@ -120,6 +124,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         trace_dir: record a timeline of every forward, backward, communication wait, gradient
             reduction and optimizer step, and write Chrome trace-event JSON there at teardown
             (``trace_rank{r}.json`` per rank and a merged ``trace.json``). Off by default.
+        preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
+            SLURM's requeue signal): every rank stops at the next step boundary, saves it there
+            and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.preemption`).
     """
 
     strategy_name = "multimodule_pipeline"
@@ -141,6 +148,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
+        preemption_checkpoint: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -174,6 +182,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
+        self._failures = FailureBoard(self.layout, 0, 1)
+        self.preemption_checkpoint = preemption_checkpoint
+        self._preemption: Optional[PreemptionHandler] = None
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -290,10 +301,32 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
+        self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
+        self._failures.attach()
+        self._install_preemption(trainer)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
-            no_grad_modules=self._no_grad_modules,
+            no_grad_modules=self._no_grad_modules, failures=self._failures,
         )
+
+    def _install_preemption(self, trainer: Any) -> None:
+        board = self._failures
+
+        def on_stuck(signum: int, waited_s: float) -> None:  # watcher thread: leave a root cause
+            report = board.report("preempted", message=(
+                f"received {signal.Signals(signum).name} and left mid-step (no step boundary within {waited_s:.0f} s)"))
+            print(f"{report.describe()}; exiting with status {128 + signum}", file=sys.stderr, flush=True)
+            board.publish(report)
+
+        if self._preemption is None:
+            self._preemption = PreemptionHandler(preemption_signals(trainer), on_stuck)
+        self._preemption.install(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Step boundary: stop every rank together if any was sent a preemption signal."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._preemption is not None:
+            stop_at_boundary(self._preemption, self, self.preemption_checkpoint)
 
     def _modules_without_backward(self, frozen: frozenset[str]) -> frozenset[str]:
         """Frozen modules with nothing trainable upstream: they get no backward at all."""
@@ -399,6 +432,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             assert slot is not None
             return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per))
 
+        trainer = self.lightning_module.trainer
+        self._failures.begin(trainer.global_step, trainer.state.stage.value if trainer.state.stage else kind)
         self._in_pipeline_step = True
         result = self._runtime.run(
             self.schedule(forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
@@ -454,6 +489,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             self.synchronize_gradients()
         with self._tracer.span("metrics_allreduce", "metrics"):
             metrics = self.reduce_metrics(result.metric_sums, "train")
+        raise_if_loss_not_finite(self._failures, metrics["loss"], result.sink_losses)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
         return {"loss": metrics["loss"]}
 
@@ -593,7 +629,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         if self._in_pipeline_step and self.world_size > 1 and _distributed_is_initialized():
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
+            drop_transfer_references(exception, self._comm)
             dist.destroy_process_group()
+            self._failures.linger()  # rank 0 serves the store: let peers read the root cause first
         self._in_pipeline_step = False
 
     def _write_trace(self) -> None:
@@ -611,6 +649,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        self._failures.release()
+        if self._preemption is not None:
+            self._preemption.uninstall()
         super().teardown()
 
     def __str__(self) -> str:

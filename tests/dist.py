@@ -41,6 +41,7 @@ __all__ = [
     "TEST_BACKEND",
     "TEST_DEVICE",
     "TEST_START_METHOD",
+    "RankFailure",
     "free_port",
     "rank_device",
     "require_ranks",
@@ -102,6 +103,10 @@ except ImportError:  # used outside pytest (benchmarks, scripts)
 # Seconds the parent keeps collecting reports after the first failure, so that the
 # tracebacks of ranks that fail as a consequence (or independently) are shown too.
 _FAILURE_GRACE_S = 2.0
+
+
+class RankFailure(str):
+    """What :func:`run_distributed` returns (with ``allow_failures``) for a rank that raised or died."""
 
 
 def free_port() -> int:
@@ -179,6 +184,8 @@ def run_distributed(
     *args: Any,
     timeout: float = 60.0,
     init_pg: bool = True,
+    allow_failures: bool = False,
+    failure_grace: float = _FAILURE_GRACE_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (see the module docstring
     for the backend, device and start method).
@@ -191,6 +198,9 @@ def run_distributed(
             process-group timeout.
         init_pg: initialise a process group (``TEST_BACKEND``) before calling ``fn``. Pass ``False`` when
             ``fn`` lets a Lightning ``Trainer`` initialise it (the environment is set up).
+        allow_failures: return a :class:`RankFailure` (the traceback or exit reason) in place
+            of the result of a rank that raised or died, instead of raising.
+        failure_grace: seconds the other ranks get to report after the first failure.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -266,7 +276,7 @@ def run_distributed(
                         code = procs[rank].exitcode
                         failures[rank] = f"process exited with code {code} without reporting a result"
             if failures and time.monotonic() < deadline:
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                deadline = min(deadline, time.monotonic() + failure_grace)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -276,6 +286,8 @@ def run_distributed(
         for conn in conns:
             conn.close()
 
+    if allow_failures:
+        return [results[rank] if rank in results else RankFailure(failures[rank]) for rank in range(world_size)]
     if failures:
         report = "\n".join(
             f"----- rank {rank} -----\n{failures[rank]}" for rank in sorted(failures)
