@@ -199,10 +199,20 @@ class PreemptionHandler:
         self._resolved.set()
 
 
-def stop_at_boundary(handler: PreemptionHandler, strategy: Any, checkpoint_path: Optional[str]) -> None:
+def stop_at_boundary(handler: PreemptionHandler, strategy: Any, checkpoint_path: Optional[str],
+                     failures: Any = None) -> None:
     """Called by the strategy at every training step boundary: stop every rank, together, after
-    a preemption signal reached any of them (optionally saving ``checkpoint_path`` first)."""
-    got = handler.agree(strategy.world_size, strategy.global_rank, strategy.root_device)
+    a preemption signal reached any of them (optionally saving ``checkpoint_path`` first).
+
+    If the agreement fails because a peer left (its watcher ended it while it was stuck), the
+    error names that peer through ``failures`` (a :class:`~lightning_mmpp.failures.FailureBoard`).
+    """
+    try:
+        got = handler.agree(strategy.world_size, strategy.global_rank, strategy.root_device)
+    except RuntimeError as err:
+        if failures is None:
+            raise
+        raise failures.transport_failure(err, range(strategy.world_size)) from err
     if not got:
         return
     handler.resolved()

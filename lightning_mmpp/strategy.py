@@ -326,7 +326,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         """Step boundary: stop every rank together if any was sent a preemption signal."""
         super().on_train_batch_start(batch, batch_idx)
         if self._preemption is not None:
-            stop_at_boundary(self._preemption, self, self.preemption_checkpoint)
+            stop_at_boundary(self._preemption, self, self.preemption_checkpoint, self._failures)
 
     def _modules_without_backward(self, frozen: frozenset[str]) -> frozenset[str]:
         """Frozen modules with nothing trainable upstream: they get no backward at all."""
