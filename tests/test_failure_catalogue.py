@@ -24,7 +24,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy, PipelineConfigError, PipelineLayout
