@@ -4,15 +4,15 @@
 trains a LightningModule whose modules (vision / audio encoders, a language model, ...) each
 get their own ranks, pipeline depth and data-parallel size.
 
-The strategy (and with it Lightning, several seconds to import) loads on first use, so the
-lower layers (topology, placement, schedule, simulator) import without Lightning.
+The strategy (and with it Lightning, several seconds to import) and everything that needs
+torch load on first use, so the lower layers (topology, placement, actions, schedule,
+simulator) import without torch.
 """
 
 from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
-from lightning_mmpp.reference import run_unpipelined
 from lightning_mmpp.topology import ModuleTopology
 
 __all__ = [
@@ -33,6 +33,10 @@ def __getattr__(name: str) -> Any:
         from lightning_mmpp.strategy import MultiModulePipelineStrategy
 
         return MultiModulePipelineStrategy
+    if name == "run_unpipelined":
+        from lightning_mmpp.reference import run_unpipelined
+
+        return run_unpipelined
     if name == "export_checkpoint":
         from lightning_mmpp.checkpoint import export_checkpoint
 

@@ -45,6 +45,7 @@ tensor leaf detached (``requires_grad`` kept), and gradients are handed back as 
 
 from __future__ import annotations
 
+import enum
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -53,6 +54,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_mmpp.actions import Direction, MessageKey
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.payload import (
     FLAG_DATA,
@@ -69,48 +71,20 @@ from lightning_mmpp.payload import (
 )
 from lightning_mmpp.placement import BridgePeer, PipelineLayout, StageSlot
 
-__all__ = ["BACKWARD", "FORWARD", "CommStats", "MessageKey", "MultiModuleCommunicator"]
+__all__ = ["BACKWARD", "FORWARD", "CommStats", "Direction", "MessageKey", "MultiModuleCommunicator", "message_tag"]
 
-FORWARD = "forward"
-BACKWARD = "backward"
+FORWARD = Direction.FORWARD
+BACKWARD = Direction.BACKWARD
 
 
-@dataclass(frozen=True)
-class MessageKey:
-    """One logical message of a microbatch.
+def message_tag(key: MessageKey) -> int:
+    """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it."""
+    text = f"{key.direction.value}|{key.src_module}|{key.dst_module}|{key.microbatch}"
+    return zlib.crc32(text.encode())
 
-    Attributes:
-        direction: ``"forward"`` (activations, producer -> consumer) or ``"backward"``
-            (gradients, consumer -> producer).
-        src_module: the module that produces the forward activation.
-        dst_module: the module that consumes it; equal to ``src_module`` for a transfer between
-            two consecutive stages of one module.
-        microbatch: the microbatch index.
-    """
 
-    direction: str
-    src_module: str
-    dst_module: str
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        if self.direction not in (FORWARD, BACKWARD):
-            raise ValueError(f"MessageKey.direction must be {FORWARD!r} or {BACKWARD!r}, got {self.direction!r}")
-
-    @property
-    def edge(self) -> tuple[str, str, int]:
-        """``(src_module, dst_module, microbatch)``: the key without its direction."""
-        return (self.src_module, self.dst_module, self.microbatch)
-
-    @property
-    def tag(self) -> int:
-        """A stable 32-bit tag written into the header of every packed buffer of this key."""
-        text = f"{self.direction}|{self.src_module}|{self.dst_module}|{self.microbatch}"
-        return zlib.crc32(text.encode())
-
-    def __str__(self) -> str:
-        arrow = "->" if self.direction == FORWARD else "<-"
-        return f"{self.direction} {self.src_module}{arrow}{self.dst_module} mb{self.microbatch}"
+def _describe(key: MessageKey) -> str:
+    return f"{key.direction.value} {key.src_module}{key.direction.arrow}{key.dst_module} mb{key.microbatch}"
 
 
 @dataclass
@@ -140,7 +114,7 @@ _Channel = tuple[int, int, str, str]
 
 
 def _order(key: MessageKey, sender: int, receiver: int) -> tuple[Any, ...]:
-    return (key.direction, key.src_module, key.dst_module, key.microbatch, sender, receiver)
+    return (key, sender, receiver)
 
 
 @dataclass
@@ -180,31 +154,40 @@ class _Incoming:
         raise NotImplementedError
 
     def check_tag(self, tag: int, comm: "MultiModuleCommunicator") -> None:
-        if tag != self.key.tag:
+        if tag != message_tag(self.key):
             raise RuntimeError(
-                f"rank {comm.rank} expected '{self.key}' from rank {self.peer} but received a buffer with "
-                f"tag {tag} (expected {self.key.tag}): the two ranks issued their exchanges with different "
+                f"rank {comm.rank} expected '{_describe(self.key)}' from rank {self.peer} but received a buffer with "
+                f"tag {tag} (expected {message_tag(self.key)}): the two ranks issued their exchanges with different "
                 "messages or in a different order. Every exchange's messages between two ranks must be "
                 "matched by one exchange on the peer, in the same order."
             )
 
 
+class _Part(enum.Enum):
+    """What a forward message's next received buffer is (see the wire protocol above)."""
+
+    DATA = "data"  # a data buffer of the cached spec's size (or a stale flag)
+    LENGTH = "length"  # the int64 length of the serialised spec
+    SPEC = "spec"  # the serialised spec
+    NEW_DATA = "new_data"  # the data buffer of the new spec's size
+
+
 class _ForwardIncoming(_Incoming):
-    """Stages: ``data`` (cached spec) -> [flag stale] -> ``length`` -> ``spec`` -> ``new_data``."""
+    """Parts: ``DATA`` (cached spec) -> [flag stale] -> ``LENGTH`` -> ``SPEC`` -> ``NEW_DATA``."""
 
     def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], channel: _Channel,
                  cached: Optional[PayloadSpec]) -> None:
         super().__init__(key, peer, order)
         self.channel = channel
         self.spec = cached
-        self.stage = "data" if cached is not None else "length"
+        self.part = _Part.DATA if cached is not None else _Part.LENGTH
         self.spec_len = 0
 
     def next_buffer(self, device: torch.device) -> torch.Tensor:
-        if self.stage in ("data", "new_data"):
+        if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
             self.buffer = torch.empty(self.spec.data_layout.nbytes, dtype=torch.uint8, device=device)
-        elif self.stage == "length":
+        elif self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
         else:
             self.buffer = torch.empty(self.spec_len, dtype=torch.uint8, device=device)
@@ -212,32 +195,32 @@ class _ForwardIncoming(_Incoming):
 
     def scalars(self) -> Optional[torch.Tensor]:
         assert self.buffer is not None
-        if self.stage in ("data", "new_data"):
+        if self.part in (_Part.DATA, _Part.NEW_DATA):
             return self.buffer[:HEADER_BYTES].view(torch.int64)
-        if self.stage == "length":
+        if self.part is _Part.LENGTH:
             return self.buffer
         return None
 
     def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
         assert self.buffer is not None
-        if self.stage in ("data", "new_data"):
+        if self.part in (_Part.DATA, _Part.NEW_DATA):
             flag, tag = values
             self.check_tag(tag, comm)
             if flag == FLAG_DATA:
                 self.done = True
-            elif flag == FLAG_STALE and self.stage == "data":
-                self.stage = "length"
+            elif flag == FLAG_STALE and self.part is _Part.DATA:
+                self.part = _Part.LENGTH
             else:
-                raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{self.key}' from rank {self.peer}")
-        elif self.stage == "length":
+                raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
+        elif self.part is _Part.LENGTH:
             (self.spec_len,) = values
-            self.stage = "spec"
+            self.part = _Part.SPEC
         else:
             data = bytes(self.buffer.cpu().tolist())
             self.spec = PayloadSpec.from_bytes(data)
             comm._recv_cache[self.channel] = self.spec
             comm.stats.metadata_exchanges += 1
-            self.stage = "new_data"
+            self.part = _Part.NEW_DATA
 
 
 class _BackwardIncoming(_Incoming):
@@ -260,12 +243,19 @@ class _BackwardIncoming(_Incoming):
         flag, tag = values
         self.check_tag(tag, comm)
         if flag != FLAG_DATA:
-            raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{self.key}' from rank {self.peer}")
+            raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
         self.done = True
 
 
-# One source of a received message: a ready object (local handover) or a remote message.
-_Source = Union[tuple[str, Any], tuple[str, _Incoming]]
+class _Origin(enum.Enum):
+    """Where one piece of a received message comes from."""
+
+    READY = "ready"  # an object at hand: a same-rank handover, or no gradient at all
+    REMOTE = "remote"  # an :class:`_Incoming` message from another rank
+
+
+# One source of a received message: (READY, payload) or (REMOTE, _Incoming).
+_Source = Union[tuple[_Origin, Any], tuple[_Origin, _Incoming]]
 
 
 class MultiModuleCommunicator:
@@ -339,7 +329,7 @@ class MultiModuleCommunicator:
             for key in recvs:
                 sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
                 pending.append((key, sources))
-                incoming.extend(src for _, (kind, src) in sources if kind == "remote")
+                incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
         except BaseException:
             self._send_cache, self._sent, self._received, self._mailbox, self.stats = saved
             raise
@@ -362,58 +352,6 @@ class MultiModuleCommunicator:
         for work, _buffer in pending:
             work.wait()
 
-    def send_forward(self, outputs: Mapping[str, Any], microbatch: int) -> None:
-        """Send the output of this rank's stage of each module in ``outputs`` to all its consumers."""
-        self.exchange(self._forward_send_keys(outputs, microbatch), ())
-
-    def recv_forward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
-        """Receive the inputs of this rank's stage of each module: ``{dst_module: {src_module: payload}}``."""
-        keys = self._forward_recv_keys(modules, microbatch)
-        return self._by_dst(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
-
-    def send_backward(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> None:
-        """Send input gradients ``{dst_module: {src_module: grad}}`` back to their producers."""
-        self.exchange(self._backward_send_keys(grads, microbatch), ())
-
-    def recv_backward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
-        """Receive output gradients of this rank's stage of each module: ``{src_module: {dst_module: grad}}``."""
-        keys = self._backward_recv_keys(modules, microbatch)
-        return self._by_src(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
-
-    def send_forward_recv_backward(
-        self,
-        outputs: Mapping[str, Any],
-        microbatch: int,
-        grad_modules: Optional[Iterable[str]] = None,
-        grad_microbatch: Optional[int] = None,
-    ) -> dict[str, dict[str, Any]]:
-        """Send outputs of ``microbatch`` and receive output gradients of ``grad_microbatch`` in one exchange.
-
-        ``grad_modules`` defaults to the modules of ``outputs``, ``grad_microbatch`` to ``microbatch``.
-        Returns ``{src_module: {dst_module: grad}}``.
-        """
-        modules = list(outputs) if grad_modules is None else list(grad_modules)
-        keys = self._backward_recv_keys(modules, microbatch if grad_microbatch is None else grad_microbatch)
-        received = self.exchange(self._forward_send_keys(outputs, microbatch), [k for ks in keys.values() for k in ks])
-        return self._by_src(keys, received)
-
-    def send_backward_recv_forward(
-        self,
-        grads: Mapping[str, Mapping[str, Any]],
-        microbatch: int,
-        input_modules: Optional[Iterable[str]] = None,
-        input_microbatch: Optional[int] = None,
-    ) -> dict[str, dict[str, Any]]:
-        """Send input gradients of ``microbatch`` and receive inputs of ``input_microbatch`` in one exchange.
-
-        ``input_modules`` defaults to the modules of ``grads``, ``input_microbatch`` to ``microbatch``.
-        Returns ``{dst_module: {src_module: payload}}``.
-        """
-        modules = list(grads) if input_modules is None else list(input_modules)
-        keys = self._forward_recv_keys(modules, microbatch if input_microbatch is None else input_microbatch)
-        received = self.exchange(self._backward_send_keys(grads, microbatch), [k for ks in keys.values() for k in ks])
-        return self._by_dst(keys, received)
-
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
         self.stats = CommStats()
@@ -428,7 +366,7 @@ class MultiModuleCommunicator:
         self._received.clear()
         self._mailbox = {k: v for k, v in self._mailbox.items() if k.direction == FORWARD}
 
-    # --- key derivation for the convenience methods ------------------------------------
+    # --- planning: who talks to whom -----------------------------------------------------
 
     def _slot(self, module: str) -> StageSlot:
         if module not in self.layout.placements:
@@ -450,56 +388,13 @@ class MultiModuleCommunicator:
                 modules.append(module)
         return modules
 
-    def _forward_send_keys(self, outputs: Mapping[str, Any], microbatch: int) -> dict[MessageKey, Any]:
-        sends: dict[MessageKey, Any] = {}
-        for module, payload in outputs.items():
-            for dst in self._distinct(self.layout.forward_targets(self._slot(module))):
-                sends[MessageKey(FORWARD, module, dst, microbatch)] = payload
-        return sends
-
-    def _forward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
-        return {
-            module: [
-                MessageKey(FORWARD, src, module, microbatch)
-                for src in self._distinct(self.layout.forward_sources(self._slot(module)))
-            ]
-            for module in modules
-        }
-
-    def _backward_send_keys(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> dict[MessageKey, Any]:
-        sends: dict[MessageKey, Any] = {}
-        for dst, per_src in grads.items():
-            self._slot(dst)
-            for src, grad in per_src.items():
-                sends[MessageKey(BACKWARD, src, dst, microbatch)] = grad
-        return sends
-
-    def _backward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
-        return {
-            module: [
-                MessageKey(BACKWARD, module, dst, microbatch)
-                for dst in self._distinct(self.layout.forward_targets(self._slot(module)))
-            ]
-            for module in modules
-        }
-
-    @staticmethod
-    def _by_dst(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
-        return {module: {k.src_module: received[k] for k in ks} for module, ks in keys.items()}
-
-    @staticmethod
-    def _by_src(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
-        return {module: {k.dst_module: received[k] for k in ks} for module, ks in keys.items()}
-
-    # --- planning: who talks to whom -----------------------------------------------------
-
     def _targets(self, key: MessageKey) -> tuple[StageSlot, list[BridgePeer]]:
         """This rank's slot of ``key.src_module`` and the peers its output goes to for ``key``."""
         slot = self._slot(key.src_module)
         peers = [peer for module, peer in self.layout.forward_targets(slot) if module == key.dst_module]
         if not peers:
             raise ValueError(
-                f"'{key}': the output of rank {self.rank}'s stage {slot.stage} of {key.src_module!r} does not go "
+                f"'{_describe(key)}': the output of rank {self.rank}'s stage {slot.stage} of {key.src_module!r} does not go "
                 f"to {key.dst_module!r}; its consumers are "
                 f"{self._distinct(self.layout.forward_targets(slot)) or 'none (last stage of a sink)'}."
             )
@@ -511,7 +406,7 @@ class MultiModuleCommunicator:
         peers = [peer for module, peer in self.layout.forward_sources(slot) if module == key.src_module]
         if not peers:
             raise ValueError(
-                f"'{key}': the input of rank {self.rank}'s stage {slot.stage} of {key.dst_module!r} does not come "
+                f"'{_describe(key)}': the input of rank {self.rank}'s stage {slot.stage} of {key.dst_module!r} does not come "
                 f"from {key.src_module!r}; its producers are "
                 f"{self._distinct(self.layout.forward_sources(slot)) or 'none (first stage of a source)'}."
             )
@@ -552,13 +447,13 @@ class MultiModuleCommunicator:
             cached = self._send_cache.get(channel)
             if cached != spec:
                 if cached is not None:
-                    parts.append(pack_header(cached.data_layout.nbytes, self.device, FLAG_STALE, key.tag))
+                    parts.append(pack_header(cached.data_layout.nbytes, self.device, FLAG_STALE, message_tag(key)))
                 blob = spec.to_bytes()
                 parts.append(torch.tensor([len(blob)], dtype=torch.int64, device=self.device))
                 parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
                 self._send_cache[channel] = spec
                 self.stats.metadata_exchanges += 1
-            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, key.tag))
+            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, message_tag(key)))
             outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
         self._sent[key.edge] = states
 
@@ -567,7 +462,7 @@ class MultiModuleCommunicator:
         state = self._received.pop(key.edge, None)
         if state is None:
             raise RuntimeError(
-                f"rank {self.rank}: backward send '{key}' without a forward recv of the same microbatch "
+                f"rank {self.rank}: backward send '{_describe(key)}' without a forward recv of the same microbatch "
                 "(or its backward was already sent)."
             )
         combined, peer_states = state
@@ -614,7 +509,7 @@ class MultiModuleCommunicator:
                 self.stats.local_handovers += 1
                 continue
             tensors = [chunk[i] for i in spec.grad_layout.indices]
-            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, key.tag)
+            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, message_tag(key))
             outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [buffer]))
 
     def _take_local(self, key: MessageKey) -> Any:
@@ -622,7 +517,7 @@ class MultiModuleCommunicator:
             return self._mailbox.pop(key)
         except KeyError:
             raise RuntimeError(
-                f"rank {self.rank}: '{key}' comes from this same rank (colocated modules) but was not sent yet; "
+                f"rank {self.rank}: '{_describe(key)}' comes from this same rank (colocated modules) but was not sent yet; "
                 "send it in this exchange or an earlier one."
             ) from None
 
@@ -631,12 +526,12 @@ class MultiModuleCommunicator:
         sources: list[tuple[BridgePeer, _Source]] = []
         for peer in peers:
             if peer.rank == self.rank:
-                sources.append((peer, ("local", self._take_local(key))))
+                sources.append((peer, (_Origin.READY, self._take_local(key))))
                 continue
             channel = (peer.rank, self.rank, key.src_module, key.dst_module)
             msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), channel,
                                    self._recv_cache.get(channel))
-            sources.append((peer, ("remote", msg)))
+            sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
 
     def _plan_backward_recv(self, key: MessageKey) -> list[tuple[BridgePeer, _Source]]:
@@ -644,18 +539,18 @@ class MultiModuleCommunicator:
         states = self._sent.pop(key.edge, None)
         if states is None:
             raise RuntimeError(
-                f"rank {self.rank}: backward recv '{key}' without a forward send of the same microbatch "
+                f"rank {self.rank}: backward recv '{_describe(key)}' without a forward send of the same microbatch "
                 "(or its backward was already received)."
             )
         sources: list[tuple[BridgePeer, _Source]] = []
         for peer, state in zip(peers, states):
             if not state.spec.requires_grad:
-                sources.append((peer, ("local", state.spec.unflatten([None] * state.spec.num_leaves))))
+                sources.append((peer, (_Origin.READY, state.spec.unflatten([None] * state.spec.num_leaves))))
             elif peer.rank == self.rank:
-                sources.append((peer, ("local", self._take_local(key))))
+                sources.append((peer, (_Origin.READY, self._take_local(key))))
             else:
                 msg = _BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), state.spec)
-                sources.append((peer, ("remote", msg)))
+                sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
 
     # --- the rounds --------------------------------------------------------------------
@@ -714,11 +609,11 @@ class MultiModuleCommunicator:
     # --- assembling received payloads --------------------------------------------------------
 
     def _finish_forward_recv(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]]) -> Any:
-        where = f"'{key}' on rank {self.rank}"
+        where = f"'{_describe(key)}' on rank {self.rank}"
         chunks: list[list[Optional[torch.Tensor]]] = []
         states: list[_PeerState] = []
         for peer, (kind, src) in sources:
-            if kind == "local":
+            if kind is _Origin.READY:
                 leaves, spec = flatten_payload(src, where)
             else:
                 assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
@@ -730,7 +625,7 @@ class MultiModuleCommunicator:
             states.append(_PeerState(peer.rank, peer.chunk, spec))
         if len(chunks) == 1:
             spec = states[0].spec
-            if sources[0][1][0] == "local":
+            if sources[0][1][0] is _Origin.READY:
                 payload = sources[0][1][1]  # already detached, requires_grad kept, at send time
             else:
                 payload = spec.unflatten([
@@ -760,7 +655,7 @@ class MultiModuleCommunicator:
     def _finish_backward_recv(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]]) -> Any:
         grads: list[Any] = []
         for _peer, (kind, src) in sources:
-            if kind == "local":
+            if kind is _Origin.READY:
                 grads.append(src)
                 continue
             assert isinstance(src, _BackwardIncoming) and src.buffer is not None

@@ -91,8 +91,10 @@ class FailureReport:
         return FailureReport(**json.loads(text))
 
 
-def describe_rank(layout: PipelineLayout, rank: int) -> str:
+def describe_rank(layout: Optional[PipelineLayout], rank: int) -> str:
     """``"llm stage 1"``, ``"vision stage 0 replica 1/2"``, or several for colocated modules."""
+    if layout is None:
+        return "layout not known yet"
     parts = []
     for slot in layout.slots(rank):
         placement = layout.placements[slot.module]
@@ -123,7 +125,7 @@ class FailureBoard:
         world_size: the number of ranks.
     """
 
-    def __init__(self, layout: PipelineLayout, rank: int, world_size: int) -> None:
+    def __init__(self, layout: Optional[PipelineLayout], rank: int, world_size: int) -> None:
         self.layout = layout
         self.rank = rank
         self.world_size = world_size

@@ -47,7 +47,6 @@ __all__ = [
     "pack_header",
     "read_header",
     "split_payload",
-    "unflatten_payload",
     "unpack",
 ]
 
@@ -272,11 +271,6 @@ def flatten_payload(payload: Any, where: str) -> tuple[list[Optional[torch.Tenso
         else:
             raise _bad_leaf_error(payload, index, where)
     return leaves, PayloadSpec(treespec, tuple(metas))
-
-
-def unflatten_payload(leaves: Sequence[Any], spec: PayloadSpec) -> Any:
-    """Rebuild a payload from leaves in flattening order (same as ``spec.unflatten(leaves)``)."""
-    return spec.unflatten(leaves)
 
 
 # --- packing -------------------------------------------------------------------------------

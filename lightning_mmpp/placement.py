@@ -16,7 +16,7 @@ going to replica ``i*r + c`` of ``d``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -251,6 +251,21 @@ class PipelineLayout:
 
     def is_last_stage(self, slot: StageSlot) -> bool:
         return slot.stage == self.placements[slot.module].pp - 1
+
+    def is_loss_stage(self, slot: StageSlot) -> bool:
+        """Whether ``slot`` computes a loss: the last stage of a sink module."""
+        return self.is_last_stage(slot) and not self.topology.downstream(slot.module)
+
+    def no_backward_modules(self, frozen: Iterable[str]) -> frozenset[str]:
+        """Modules that run no backward given the ``frozen`` ones (see
+        :meth:`ModuleTopology.no_backward_modules`)."""
+        return self.topology.no_backward_modules(frozen)
+
+    def sends_input_gradients(self, slot: StageSlot, no_backward_modules: Iterable[str]) -> bool:
+        """Whether the backward of ``slot`` has gradients to send upstream: some producer of its
+        input runs a backward. ``False`` on the first stage of a source module."""
+        no_backward = set(no_backward_modules)
+        return any(src not in no_backward for src, _ in self.forward_sources(slot))
 
     def stage_index(self, module: str, stage: int, numbering: str = "asap") -> int:
         return self.numbering.index(module, stage, numbering)

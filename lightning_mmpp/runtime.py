@@ -1,5 +1,21 @@
 """Execute one rank's action list: stage forwards and backwards, with the communicator.
 
+Stage execution lives in :class:`StageExecutor` (forward, fused backward, and the two halves
+of a split backward); :class:`PipelineRuntime` walks the schedule, moves payloads through the
+communicator and keeps the per-step stash.
+
+Split backward (``I`` then ``W``, for ``schedule="zero_bubble"``). The forward applies the
+stage's layers one at a time, each on a detached copy of the previous layer's output (a leaf
+that requires grad), so every layer owns a separate autograd graph piece. ``I`` walks the
+layers from last to first with ``torch.autograd.grad`` w.r.t. each layer's input only, keeping
+the graph of layers that have trainable parameters; the stage input's gradient lands in the
+``.grad`` of the received leaves and is sent upstream. ``W`` then runs
+``torch.autograd.backward(layer outputs, their gradients, inputs=layer parameters)`` per layer,
+accumulating into ``.grad``. Layer boundaries make ``W`` exact without hooks into autograd's
+graph (torch.distributed.pipelining finds the param/input split inside the graph instead); the
+price is that activation gradients *inside* a multi-op layer are computed again by ``W``. A
+stage whose inputs need no gradient gets a lone ``W``: a fused backward run late.
+
 Loss scaling. The loss of a step is the mean over microbatches and over the replicas of each
 sink module (summed over sinks). Each sink replica backpropagates ``loss / (M * dp_sink)``,
 gradients cross the bridges unscaled (split and concatenation are exact), and every module's
@@ -14,16 +30,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_mmpp.comm import MessageKey
+from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.failures import FailureBoard
+from lightning_mmpp.hooks import pipeline_loss_caller
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
-from lightning_mmpp.schedule import BACKWARD, FORWARD, Exchange, Schedule, Transfer
-from lightning_mmpp.trace import NULL_TRACER, Tracer
+from lightning_mmpp.trace import NULL_TRACER, PHASE_SPANS, Tracer
 
 
 class PipelineHooks(Protocol):
@@ -31,7 +47,8 @@ class PipelineHooks(Protocol):
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any: ...
 
-    def pipeline_loss(self, output: Any, batch: Any) -> Tensor | dict[str, Tensor]: ...
+    # ``pipeline_loss(module, output, batch)``, or the older ``pipeline_loss(output, batch)``
+    def pipeline_loss(self, *args: Any) -> Tensor | dict[str, Tensor]: ...
 
 
 class Communicator(Protocol):
@@ -51,8 +68,10 @@ class StepResult:
     # (sink module, microbatch) -> the unscaled loss (detached), to name a non-finite one
     sink_losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)
     sink_outputs: dict[int, Any] = field(default_factory=dict)
+    # microbatches held between a forward and its last backward piece (B, or W), at their peak
     peak_stashed: int = 0
-    # bytes of the stashed outputs and received inputs held for backwards, at their peak
+    # bytes of the stashed outputs and received inputs held for backwards (after an I: the
+    # layer inputs, outputs and output gradients its W needs), at their peak
     peak_stashed_bytes: int = 0
 
 
@@ -102,6 +121,105 @@ def _add_payloads(a: Any, b: Any) -> Any:
     return spec.unflatten(out)
 
 
+@dataclass
+class _LayerPiece:
+    """One layer of a split-backward forward: its graph piece and, after ``I``, what ``W`` needs."""
+
+    params: list[nn.Parameter]  # the layer's trainable parameters
+    inputs: list[Any]  # pytree leaves of the layer's input (leaves of the autograd graph)
+    outputs: list[Any]  # pytree leaves of the layer's output
+    roots: list[Tensor] = field(default_factory=list)  # set by I: outputs W starts from
+    grads: list[Tensor] = field(default_factory=list)  # set by I: their gradients
+
+
+def _detached(payload: Any) -> Any:
+    """``payload`` with every tensor leaf detached, ``requires_grad`` kept: a new graph starts here."""
+    return tree_map(
+        lambda x: x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x, payload
+    )
+
+
+def _with_grads(leaves: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
+    """The leaves that require grad and have a gradient, with those gradients."""
+    pairs = [(t, g) for t, g in zip(leaves, grads) if isinstance(t, Tensor) and t.requires_grad and g is not None]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+class StageExecutor:
+    """Runs one stage's layers for the runtime: the forward, a fused backward, or its halves.
+
+    Each phase is one small method, so a wrapper that changes how a stage computes (sharding,
+    recompute) plugs in here. A split forward applies ``runner.layers`` one by one; wrap the
+    layer modules themselves (as ``fully_shard`` and checkpoint wrappers do) to change them.
+    """
+
+    def __init__(self, runner: StageRunner) -> None:
+        self.runner = runner
+        self.module = runner.module
+        self.stage = runner.stage
+
+    def forward(self, x: Any, track_grad: bool, split: bool) -> tuple[Any, Optional[list[_LayerPiece]]]:
+        """The stage output for input ``x``; with ``split`` also the per-layer graph pieces."""
+        if not track_grad:
+            with torch.no_grad():
+                return self.runner(x), None
+        if not split:
+            return self.runner(x), None
+        pieces: list[_LayerPiece] = []
+        h = x  # the received input is already a graph leaf
+        for index, layer in enumerate(self.runner.layers):
+            if index:
+                h = _detached(h)
+            out = layer(h)
+            params = [p for p in layer.parameters() if p.requires_grad]
+            pieces.append(_LayerPiece(params, tree_flatten(h)[0], tree_flatten(out)[0]))
+            h = out
+        return h, pieces
+
+    def backward(self, roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]]) -> None:
+        """Fused backward: gradients of the stage input leaves and parameters in one call."""
+        if roots:
+            torch.autograd.backward(list(roots), list(grads))
+
+    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> None:
+        """``I``: gradients w.r.t. the ``received`` leaves (accumulated into their ``.grad``), layer
+        by layer from the last, keeping what each layer's ``W`` needs. ``out_grads`` is aligned
+        with the last layer's output leaves."""
+        grads = list(out_grads)
+        for index in range(len(pieces) - 1, -1, -1):
+            piece = pieces[index]
+            roots, root_grads = _with_grads(piece.outputs, grads)
+            keep = bool(piece.params and roots)
+            if keep:
+                piece.roots, piece.grads = roots, root_grads
+            if index == 0:  # the first layer's graph reaches back to the received leaves
+                if roots and received:
+                    torch.autograd.backward(roots, root_grads, inputs=list(received), retain_graph=keep)
+                break
+            wanted = [t for t in piece.inputs if isinstance(t, Tensor) and t.requires_grad]
+            if not roots or not wanted:
+                grads = [None] * len(piece.inputs)
+                continue
+            got = iter(torch.autograd.grad(roots, wanted, root_grads, retain_graph=keep, allow_unused=True))
+            grads = [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in piece.inputs]
+
+    def backward_weight(self, pieces: list[_LayerPiece]) -> None:
+        """``W``: parameter gradients of every layer from what ``I`` kept, accumulated into ``.grad``."""
+        for piece in pieces:
+            if piece.roots:
+                torch.autograd.backward(piece.roots, piece.grads, inputs=piece.params)
+            piece.roots, piece.grads = [], []
+
+
+def _loss_grads(loss: Tensor, outputs: Sequence[Any]) -> list[Optional[Tensor]]:
+    """Gradients of ``loss`` w.r.t. the output leaves that require grad (None elsewhere)."""
+    wanted = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
+    if not wanted or not loss.requires_grad:
+        return [None] * len(outputs)
+    got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    return [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in outputs]
+
+
 class PipelineRuntime:
     """Runs the actions of ``rank`` for one step.
 
@@ -111,6 +229,8 @@ class PipelineRuntime:
         comm: the communicator (anything with ``exchange``).
         runners: the stage this rank holds of each module.
         hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
+        no_backward_modules: modules that run no backward (see
+            :meth:`~lightning_mmpp.placement.PipelineLayout.no_backward_modules`).
     """
 
     def __init__(
@@ -121,18 +241,22 @@ class PipelineRuntime:
         runners: Mapping[str, StageRunner],
         hooks: PipelineHooks,
         tracer: Tracer | None = None,
-        no_grad_modules: frozenset[str] = frozenset(),
+        no_backward_modules: frozenset[str] = frozenset(),
         failures: FailureBoard | None = None,
     ) -> None:
-        self.no_grad_modules = no_grad_modules
+        self.no_backward_modules = frozenset(no_backward_modules)
         self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
         self.tracer = tracer if tracer is not None else NULL_TRACER
         self.layout = layout
         self.rank = rank
         self.comm = comm
-        self.runners = dict(runners)
+        self.stages = {module: StageExecutor(runner) for module, runner in runners.items()}
+        self.loss_stages = {
+            module for module in runners if layout.is_loss_stage(layout.slot(rank, module))
+        }
         self.hooks = hooks
-        self.sinks = set(layout.topology.sinks)
+        self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
+        self.multiple_sinks = len(layout.topology.sinks) > 1
 
     def run(
         self,
@@ -149,21 +273,17 @@ class PipelineRuntime:
             keep_sink_outputs: keep the sink stage outputs (for predict).
             compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
         """
+        actions = schedule.for_rank(self.rank)
+        split = {a.module for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
         step = _StepState(
-            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss
+            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
         )
-        for action in schedule.for_rank(self.rank):
+        for action in actions:
             try:
                 if isinstance(action, Exchange):
                     self._exchange(step, action)
-                    continue
-                runner = self.runners[action.module]
-                name = "forward" if action.phase == FORWARD else "backward"
-                with self.tracer.span(name, action.module, microbatch=action.microbatch, stage=runner.stage):
-                    if action.phase == FORWARD:
-                        self._forward(step, runner, action.microbatch)
-                    else:
-                        self._backward(step, runner, action.microbatch)
+                else:
+                    self._compute(step, action)
             except PipelineError:
                 raise
             except Exception as err:  # this rank's own failure: the root cause its peers will name
@@ -171,12 +291,25 @@ class PipelineRuntime:
                 k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
                 self.failures.publish_exception(err, k)
                 raise
-        assert not step.received and not step.out_grads and not step.losses, "stash not drained"
+        assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
+
+    def _compute(self, step: "_StepState", action: Compute) -> None:
+        stage = self.stages[action.module]
+        k = action.microbatch
+        with self.tracer.span(PHASE_SPANS[action.phase], action.module, microbatch=k, stage=stage.stage):
+            if action.phase is Phase.FORWARD:
+                self._forward(step, stage, k)
+            elif action.phase is Phase.BACKWARD_INPUT:
+                self._backward_input(step, stage, k)
+            elif action.phase is Phase.BACKWARD_WEIGHT and (stage.module, k) in step.pieces:
+                self._backward_weight(step, stage, k)
+            else:  # a fused B, or a lone W (a stage whose inputs need no gradient)
+                self._backward(step, stage, k)
 
     def _exchange(self, step: "_StepState", action: Exchange) -> None:
         sends = self._collect_sends(step, action.sends)
-        recv_keys = list(dict.fromkeys(_key(t) for t in action.recvs))
+        recv_keys = list(dict.fromkeys(t.key for t in action.recvs))
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 got = self.comm.exchange(sends, recv_keys)
@@ -185,33 +318,26 @@ class PipelineRuntime:
                 peers = {t.peer for t in transfers}
                 raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
         for key, payload in got.items():
-            if key.direction == FORWARD:
+            if key.direction is Direction.FORWARD:
                 step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
             else:
                 step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
 
-    def _is_loss_stage(self, runner: StageRunner) -> bool:
-        return runner.module in self.sinks and runner.stage == self.layout.placements[runner.module].pp - 1
-
-    def _forward(self, step: "_StepState", runner: StageRunner, k: int) -> None:
-        module = runner.module
+    def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
         inputs = step.received.get((module, k), {})
-        if runner.stage == 0:
+        if stage.stage == 0:
             upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
             x = self.hooks.pipeline_inputs(module, step.shard(module, k), upstream)
         else:
             x = inputs[module]
-        trained = step.training and module not in self.no_grad_modules
-        if trained:
-            out = runner(x)
-        else:
-            with torch.no_grad():
-                out = runner(x)
-        loss_stage = self._is_loss_stage(runner)
+        trained = step.training and module not in self.no_backward_modules
+        out, pieces = stage.forward(x, track_grad=trained, split=module in step.split)
+        loss_stage = module in self.loss_stages
         if loss_stage and step.keep_sink_outputs:
             step.result.sink_outputs.setdefault(k, {})[module] = out
         if loss_stage and step.compute_loss:
-            loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
+            loss, metrics = _loss_and_metrics(self.pipeline_loss(module, out, step.shard(module, k)), module)
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
             step.result.sink_losses[(module, k)] = loss.detach()
             if step.training:
@@ -219,59 +345,88 @@ class PipelineRuntime:
             self._accumulate(step.result, module, loss, metrics, scale)
         if trained:
             step.outputs[(module, k)] = out  # stashed until its backward
+            if pieces is not None:
+                step.pieces[(module, k)] = pieces
             step.stashed += 1
             step.result.peak_stashed = max(step.result.peak_stashed, step.stashed)
-            step.stash_bytes[(module, k)] = _payload_bytes((out, inputs))
-            step.result.peak_stashed_bytes = max(step.result.peak_stashed_bytes, sum(step.stash_bytes.values()))
+            self._set_stash_bytes(step, (module, k), (out, inputs))
             return
         step.received.pop((module, k), None)
         if not loss_stage:
             step.outputs[(module, k)] = out  # freed once sent
 
-    def _backward(self, step: "_StepState", runner: StageRunner, k: int) -> None:
-        module = runner.module
-        if self._is_loss_stage(runner):
+    def _output_grads(self, step: "_StepState", module: str, k: int) -> tuple[list[Any], list[Any]]:
+        """The stage output's leaves and their gradients (summed over consumers), aligned."""
+        out_leaves, _ = tree_flatten(step.outputs.pop((module, k)))
+        grad: Optional[Any] = None
+        for g in step.out_grads.pop((module, k), {}).values():
+            grad = g if grad is None else _add_payloads(grad, g)
+        grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
+        return out_leaves, grad_leaves
+
+    def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
+        if module in self.loss_stages:
+            step.outputs.pop((module, k), None)
             loss = step.losses.pop((module, k))
-            if loss.requires_grad:
-                torch.autograd.backward(loss)
+            stage.backward([loss] if loss.requires_grad else [], [None])
         else:
-            grad: Optional[Any] = None
-            for g in step.out_grads.pop((module, k), {}).values():
-                grad = g if grad is None else _add_payloads(grad, g)
-            out_leaves, _ = tree_flatten(step.outputs[(module, k)])
-            grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
-            tensors, grad_tensors = [], []
-            for out, g in zip(out_leaves, grad_leaves):
-                if isinstance(out, Tensor) and out.requires_grad and g is not None:
-                    tensors.append(out)
-                    grad_tensors.append(g)
-            if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+            stage.backward(*_with_grads(*self._output_grads(step, module, k)))
+        self._collect_input_grads(step, module, k)
+        self._release(step, module, k)
+
+    def _backward_input(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
+        pieces = step.pieces[(module, k)]
+        if module in self.loss_stages:
+            step.outputs.pop((module, k), None)
+            grads = _loss_grads(step.losses.pop((module, k)), pieces[-1].outputs)
+        else:
+            _, grads = self._output_grads(step, module, k)
+        received = [
+            t for src, payload in step.received.get((module, k), {}).items() if src not in self.no_backward_modules
+            for t in tree_flatten(payload)[0] if isinstance(t, Tensor) and t.requires_grad
+        ]
+        stage.backward_input(pieces, grads, received)
+        self._collect_input_grads(step, module, k)
+        kept = [(p.inputs, p.roots, p.grads) for p in pieces if p.roots]
+        self._set_stash_bytes(step, (module, k), kept)
+
+    def _backward_weight(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        stage.backward_weight(step.pieces.pop((stage.module, k)))
+        self._release(step, stage.module, k)
+
+    def _collect_input_grads(self, step: "_StepState", module: str, k: int) -> None:
+        """Take the gradients of the received inputs, to send to the producers that want them."""
         inputs = step.received.pop((module, k), {})
-        step.in_grads[(module, k)] = {
-            src: _grad_payload(p) for src, p in inputs.items() if src not in self.no_grad_modules
-        }
-        if not step.in_grads[(module, k)]:
-            del step.in_grads[(module, k)]
-        step.outputs.pop((module, k), None)
+        grads = {src: _grad_payload(p) for src, p in inputs.items() if src not in self.no_backward_modules}
+        if grads:
+            step.in_grads[(module, k)] = grads
+
+    def _set_stash_bytes(self, step: "_StepState", key: tuple[str, int], held: Any) -> None:
+        step.stash_bytes[key] = _payload_bytes(held)
+        step.result.peak_stashed_bytes = max(step.result.peak_stashed_bytes, sum(step.stash_bytes.values()))
+
+    def _release(self, step: "_StepState", module: str, k: int) -> None:
+        """The last backward piece of ``(module, k)`` ran: it holds nothing any more."""
         step.stashed -= 1
         step.stash_bytes.pop((module, k), None)
 
     def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
         sends: dict[MessageKey, Any] = {}
         for t in transfers:
-            key = _key(t)
+            key = t.key
             if key in sends:
                 continue
-            if t.direction == FORWARD:
-                sends[key] = step.outputs[(t.src_module, t.microbatch)]
+            if key.direction is Direction.FORWARD:
+                sends[key] = step.outputs[(key.src_module, key.microbatch)]
             else:
-                sends[key] = step.in_grads[(t.dst_module, t.microbatch)][t.src_module]
+                sends[key] = step.in_grads[(key.dst_module, key.microbatch)][key.src_module]
         for key in sends:
-            if key.direction == FORWARD and (not step.training or key.src_module in self.no_grad_modules):
+            if key.direction is Direction.FORWARD and (not step.training or key.src_module in self.no_backward_modules):
                 # not stashed for a backward: an output is dropped once its consumers have it
                 step.outputs.pop((key.src_module, key.microbatch), None)
-            elif key.direction == BACKWARD:
+            elif key.direction is Direction.BACKWARD:
                 pending = step.in_grads[(key.dst_module, key.microbatch)]
                 pending.pop(key.src_module, None)
                 if not pending:
@@ -279,7 +434,7 @@ class PipelineRuntime:
         return sends
 
     def _accumulate(self, result: StepResult, module: str, loss: Tensor, metrics: dict[str, Tensor], scale: float) -> None:
-        prefix = "" if len(self.sinks) == 1 else f"{module}_"
+        prefix = f"{module}_" if self.multiple_sinks else ""
         values = {"loss": loss, **{f"{prefix}{n}": v for n, v in metrics.items()}}
         for name, value in values.items():
             share = value.detach().float() * scale
@@ -295,6 +450,7 @@ class _StepState:
     shard: Callable[[str, int], Any]
     keep_sink_outputs: bool
     compute_loss: bool
+    split: set[str]  # modules whose backward runs as I then W in this schedule
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
     stash_bytes: dict[tuple[str, int], int] = field(default_factory=dict)           # (module, k) -> bytes held
@@ -303,7 +459,4 @@ class _StepState:
     losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss
     out_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (module, k) -> {consumer: grad}
     in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
-
-
-def _key(t: Transfer) -> MessageKey:
-    return MessageKey(t.direction, t.src_module, t.dst_module, t.microbatch)
+    pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph

@@ -88,9 +88,7 @@ class ModuleTopology:
         self._upstream: dict[str, tuple[str, ...]] = {
             m: tuple(u for u in downstream if m in downstream[u]) for m in downstream
         }
-        self._order = self._topological_order()
-        if not self.sinks:  # unreachable for a DAG, kept as a guard for the message
-            raise PipelineConfigError("topology has no sink module (one with no downstream); the loss lives on sinks.")
+        self._order = self._topological_order()  # a DAG always has a sink: no separate check
 
     def _topological_order(self) -> tuple[str, ...]:
         indegree = {m: len(self._upstream[m]) for m in self._downstream}
@@ -162,6 +160,24 @@ class ModuleTopology:
 
     def edges(self) -> tuple[tuple[str, str], ...]:
         return tuple((u, d) for u in self._order for d in self._downstream[u])
+
+    def no_backward_modules(self, frozen: Iterable[str]) -> frozenset[str]:
+        """The modules that run no backward: frozen (no trainable parameter) with every upstream
+        module also running none.
+
+        A frozen module fed by a trainable one still runs a backward, to carry gradients
+        through to it. The result is closed upstream: every upstream module of a member is a
+        member, so no gradient ever has to reach one.
+        """
+        frozen = set(frozen)
+        unknown = sorted(frozen - set(self._downstream))
+        if unknown:
+            raise ValueError(f"unknown module(s) {unknown}; the topology has {list(self._downstream)}")
+        closed: set[str] = set()
+        for module in self._order:
+            if module in frozen and all(u in closed for u in self._upstream[module]):
+                closed.add(module)
+        return frozenset(closed)
 
     # --- stage numbering -------------------------------------------------------------------
 

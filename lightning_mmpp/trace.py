@@ -1,8 +1,10 @@
 """Per-rank timeline traces in Chrome trace-event JSON (Perfetto, chrome://tracing).
 
 A :class:`Tracer` records complete events ("ph": "X") with wall-clock timestamps in
-microseconds: forwards and backwards (category = module name), communication waits, the
-data-parallel gradient reduction and the optimizer step. :data:`NULL_TRACER` records nothing
+microseconds: computes (named by :data:`PHASE_SPANS`: ``forward``, ``backward`` for a fused
+backward, ``backward_input`` / ``backward_weight`` for the two halves of a split one;
+category = module name), communication waits, the data-parallel gradient reduction and the
+optimizer step. :data:`NULL_TRACER` records nothing
 and costs one attribute lookup per span, so tracing is cheap when off.
 """
 
@@ -14,6 +16,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from lightning_mmpp.actions import Phase
+
+# the event name of each compute phase
+PHASE_SPANS: dict[Phase, str] = {
+    Phase.FORWARD: "forward",
+    Phase.BACKWARD: "backward",
+    Phase.BACKWARD_INPUT: "backward_input",
+    Phase.BACKWARD_WEIGHT: "backward_weight",
+}
 
 
 class Tracer:

@@ -211,6 +211,9 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    unmarked = os.environ.get("MMPP_TEST_UNMARKED")
+    if unmarked:
+        raise AssertionError(f"{unmarked} launches processes: mark it @pytest.mark.distributed")
     if TEST_DEVICE == "cuda" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible")
     ctx = multiprocessing.get_context(TEST_START_METHOD)

@@ -18,11 +18,11 @@ TOPOLOGY = {"enc_a": ["llm"], "llm": []}
 
 
 class FailsAtStep2(MultiModalModel):
-    def pipeline_loss(self, output, batch):
+    def pipeline_loss(self, module, output, batch):
         if self.trainer.global_step == 2:
             print(f"FAILING AT {time.time():.3f}", flush=True)
             raise ValueError("boom at the loss rank")
-        return super().pipeline_loss(output, batch)
+        return super().pipeline_loss(module, output, batch)
 
 
 if __name__ == "__main__":

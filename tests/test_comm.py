@@ -9,6 +9,7 @@ what the consumer received, so the producer checks it exactly (``torch.equal``) 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import pytest
@@ -29,6 +30,107 @@ pytestmark = pytest.mark.timeout(60)
 
 MB = 8  # microbatch size: divisible by every dp used below
 CPU = torch.device("cpu")
+
+
+class KeyedCommunicator(MultiModuleCommunicator):
+    """The communicator with per-module convenience calls that derive the message keys.
+
+    The runtime passes explicit keys from the schedule to :meth:`exchange`; these wrappers let
+    the tests below drive hand-written GPipe / 1F1B orders the same way.
+    """
+
+    def send_forward(self, outputs: Mapping[str, Any], microbatch: int) -> None:
+        """Send the output of this rank's stage of each module in ``outputs`` to all its consumers."""
+        self.exchange(self._forward_send_keys(outputs, microbatch), ())
+
+    def recv_forward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
+        """Receive the inputs of this rank's stage of each module: ``{dst_module: {src_module: payload}}``."""
+        keys = self._forward_recv_keys(modules, microbatch)
+        return self._by_dst(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
+
+    def send_backward(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> None:
+        """Send input gradients ``{dst_module: {src_module: grad}}`` back to their producers."""
+        self.exchange(self._backward_send_keys(grads, microbatch), ())
+
+    def recv_backward(self, modules: Iterable[str], microbatch: int) -> dict[str, dict[str, Any]]:
+        """Receive output gradients of this rank's stage of each module: ``{src_module: {dst_module: grad}}``."""
+        keys = self._backward_recv_keys(modules, microbatch)
+        return self._by_src(keys, self.exchange({}, [k for ks in keys.values() for k in ks]))
+
+    def send_forward_recv_backward(
+        self,
+        outputs: Mapping[str, Any],
+        microbatch: int,
+        grad_modules: Optional[Iterable[str]] = None,
+        grad_microbatch: Optional[int] = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Send outputs of ``microbatch`` and receive output gradients of ``grad_microbatch`` in one exchange.
+
+        ``grad_modules`` defaults to the modules of ``outputs``, ``grad_microbatch`` to ``microbatch``.
+        Returns ``{src_module: {dst_module: grad}}``.
+        """
+        modules = list(outputs) if grad_modules is None else list(grad_modules)
+        keys = self._backward_recv_keys(modules, microbatch if grad_microbatch is None else grad_microbatch)
+        received = self.exchange(self._forward_send_keys(outputs, microbatch), [k for ks in keys.values() for k in ks])
+        return self._by_src(keys, received)
+
+    def send_backward_recv_forward(
+        self,
+        grads: Mapping[str, Mapping[str, Any]],
+        microbatch: int,
+        input_modules: Optional[Iterable[str]] = None,
+        input_microbatch: Optional[int] = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Send input gradients of ``microbatch`` and receive inputs of ``input_microbatch`` in one exchange.
+
+        ``input_modules`` defaults to the modules of ``grads``, ``input_microbatch`` to ``microbatch``.
+        Returns ``{dst_module: {src_module: payload}}``.
+        """
+        modules = list(grads) if input_modules is None else list(input_modules)
+        keys = self._forward_recv_keys(modules, microbatch if input_microbatch is None else input_microbatch)
+        received = self.exchange(self._backward_send_keys(grads, microbatch), [k for ks in keys.values() for k in ks])
+        return self._by_dst(keys, received)
+
+    def _forward_send_keys(self, outputs: Mapping[str, Any], microbatch: int) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for module, payload in outputs.items():
+            for dst in self._distinct(self.layout.forward_targets(self._slot(module))):
+                sends[MessageKey(FORWARD, module, dst, microbatch)] = payload
+        return sends
+
+    def _forward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
+        return {
+            module: [
+                MessageKey(FORWARD, src, module, microbatch)
+                for src in self._distinct(self.layout.forward_sources(self._slot(module)))
+            ]
+            for module in modules
+        }
+
+    def _backward_send_keys(self, grads: Mapping[str, Mapping[str, Any]], microbatch: int) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for dst, per_src in grads.items():
+            self._slot(dst)
+            for src, grad in per_src.items():
+                sends[MessageKey(BACKWARD, src, dst, microbatch)] = grad
+        return sends
+
+    def _backward_recv_keys(self, modules: Iterable[str], microbatch: int) -> dict[str, list[MessageKey]]:
+        return {
+            module: [
+                MessageKey(BACKWARD, module, dst, microbatch)
+                for dst in self._distinct(self.layout.forward_targets(self._slot(module)))
+            ]
+            for module in modules
+        }
+
+    @staticmethod
+    def _by_dst(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
+        return {module: {k.src_module: received[k] for k in ks} for module, ks in keys.items()}
+
+    @staticmethod
+    def _by_src(keys: Mapping[str, list[MessageKey]], received: Mapping[MessageKey, Any]) -> dict[str, dict[str, Any]]:
+        return {module: {k.dst_module: received[k] for k in ks} for module, ks in keys.items()}
 
 
 # --- deterministic payloads and gradients ------------------------------------------------------
@@ -118,7 +220,7 @@ def channels_of(layout: PipelineLayout, rank: int) -> int:
 
 def run_gpipe(layout: PipelineLayout, rank: int, steps: int = 2, microbatches: int = 2) -> dict:
     """All forwards then all backwards; one exchange per direction and microbatch on each rank."""
-    comm = MultiModuleCommunicator(layout, rank, CPU)
+    comm = KeyedCommunicator(layout, rank, CPU)
     slots = layout.slots(rank)
     recv_mods = [s.module for s in slots if layout.forward_sources(s)]
     send_mods = [s.module for s in slots if layout.forward_targets(s)]
@@ -192,7 +294,7 @@ def one_f_one_b_colocated(rank: int, steps: list[tuple[int, int, int]], microbat
     changes the spec of that module's channel only.
     """
     layout = PipelineLayout({"a": P(pp=2, rank_offset=0), "b": P(pp=2, rank_offset=0)}, {"a": [], "b": []})
-    comm = MultiModuleCommunicator(layout, rank, CPU)
+    comm = KeyedCommunicator(layout, rank, CPU)
     metadata: list[int] = []
     steady: Optional[dict] = None
 
@@ -253,6 +355,7 @@ def world2(rank: int, world_size: int) -> dict:
     return {"chain": chain, "1f1b": ofob, "upstream": upstream}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_world2_chain_1f1b_metadata_colocated_upstream():
     results = run_distributed(world2, 2, timeout=45)
@@ -285,7 +388,7 @@ WORLD3_LAYOUTS = [
 def fan_in_structure_error(rank: int) -> Optional[str]:
     """Replica 1 of 'v' returns an extra key: the consumer must raise a clear error."""
     layout = PipelineLayout({"v": P(dp=2), "llm": P()}, {"v": ["llm"], "llm": []})
-    comm = MultiModuleCommunicator(layout, rank, CPU)
+    comm = KeyedCommunicator(layout, rank, CPU)
     if rank < 2:
         out = {"h": torch.ones(4, 2)}
         if rank == 1:
@@ -302,6 +405,7 @@ def world3(rank: int, world_size: int) -> dict:
     return {"gpipe": run_layouts(rank, world_size, WORLD3_LAYOUTS), "error": fan_in_structure_error(rank)}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_world3_fan_in_fan_out_two_upstream():
     results = run_distributed(world3, 3, timeout=45)
@@ -328,6 +432,7 @@ def world5(rank: int, world_size: int) -> list[dict]:
     return run_layouts(rank, world_size, WORLD5_LAYOUTS)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_world5_fan_in_4_fan_out_4_design_layout():
     results = run_distributed(world5, 5, timeout=75)
@@ -342,7 +447,7 @@ def test_world1_colocated_local_handover_moves_no_bytes():
         {"a": P(rank_offset=0), "b": P(rank_offset=0), "c": P(rank_offset=0)},
         {"a": ["c"], "b": ["c"], "c": []},
     )
-    comm = MultiModuleCommunicator(layout, 0, CPU)  # no process group needed
+    comm = KeyedCommunicator(layout, 0, CPU)  # no process group needed
     fwd = {m: MessageKey(FORWARD, m, "c", 0) for m in ("a", "b")}
     bwd = {m: MessageKey(BACKWARD, m, "c", 0) for m in ("a", "b")}
     for step in range(3):
@@ -385,7 +490,7 @@ def test_world1_colocated_local_handover_moves_no_bytes():
 
 def test_world1_errors_name_module_stage_and_path():
     layout = PipelineLayout({"a": P(rank_offset=0), "c": P(rank_offset=0)}, {"a": ["c"], "c": []})
-    comm = MultiModuleCommunicator(layout, 0, CPU)
+    comm = KeyedCommunicator(layout, 0, CPU)
     with pytest.raises(PipelineConfigError) as info:
         comm.send_forward({"a": {"h": torch.ones(2), "names": ["x", "y"]}}, 0)
     assert "module 'a' stage 0 output" in str(info.value) and "['names'][0]" in str(info.value)
@@ -406,7 +511,7 @@ def test_world1_errors_name_module_stage_and_path():
 def test_fan_out_split_error_raises_before_any_message():
     # Rank 0 of a 5-rank layout, in this single process: the error comes from planning, before P2P.
     layout = PipelineLayout({"vision": P(), "llm": P(dp=4)}, {"vision": ["llm"], "llm": []})
-    comm = MultiModuleCommunicator(layout, 0, CPU)
+    comm = KeyedCommunicator(layout, 0, CPU)
     with pytest.raises(PipelineConfigError) as info:
         comm.send_forward({"vision": {"h": torch.ones(6, 2)}}, 0)
     assert str(info.value).startswith(

@@ -12,8 +12,11 @@ from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
 from tests.dist import require_ranks, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 
+pytestmark = pytest.mark.distributed  # every test here launches processes
+
 P = ModulePlacement
 STEPS = 3
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
 
 TWO_ENC = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
 ONE_ENC = {"enc_a": ["llm"], "llm": []}
@@ -53,7 +56,7 @@ def _reference(topology, batch_size: int, optimizer: str, clip: float | None) ->
 
 def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip):
     out = {}
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in SCHEDULES:
         model = MultiModalModel(topology, optimizer=optimizer)
         strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, schedule=schedule)
         trainer = L.Trainer(**_trainer_kwargs(world, STEPS), strategy=strategy, gradient_clip_val=clip)
@@ -64,7 +67,7 @@ def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip
 
 
 def _check(per_rank, reference):
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in SCHEDULES:
         seen: dict[str, torch.Tensor] = {}
         for rank, result in enumerate(per_rank):
             for name, value in result[schedule].items():

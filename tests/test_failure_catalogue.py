@@ -41,13 +41,13 @@ def _strategy(placements: Any = None, topology: Any = None, m: int = 4, **kwargs
 
 
 def _split(batch_size: int, m: int, divisor: int) -> Any:
-    from lightning_mmpp.strategy import microbatch_count
+    from lightning_mmpp.microbatch import microbatch_count
 
     return microbatch_count(batch_size, m, divisor)
 
 
 def _batch_size(batch: Any) -> Any:
-    from lightning_mmpp.strategy import batch_size_of
+    from lightning_mmpp.microbatch import batch_size_of
 
     return batch_size_of(batch)
 
@@ -92,7 +92,7 @@ MISTAKES_HERE: dict[str, tuple[Callable[[], Any], str]] = {
     "microbatch_not_divisible_by_dp": (lambda: PipelineLayout({"enc_a": P(dp=2), "llm": P()}, TOPOLOGY)
                                        .batch_shard("enc_a", 0, 3), "cannot be split over 'enc_a' dp=2"),
     "batch_not_divisible": (lambda: _split(6, 4, 1), "a multiple of 4"),
-    "batch_without_tensors": (lambda: _batch_size({"names": ["a", "b"]}), "holds no tensor with a batch dimension"),
+    "batch_without_tensors": (lambda: _batch_size({"step": 3}), "holds no tensor with a batch dimension"),
     "batch_sizes_disagree": (lambda: _batch_size({"x": torch.zeros(4, 2), "y": torch.zeros(3)}), "disagree on dim 0"),
     "string_in_payload": (lambda: flatten_payload({"h": torch.zeros(2), "name": "cat"}, "enc_a -> llm"),
                           "Payloads between stages and modules must be tensors"),
@@ -112,13 +112,13 @@ def test_mistake_raises_a_config_error_naming_the_fix(mistake):
 
 
 class _LossIsNone(MultiModalModel):
-    def pipeline_loss(self, output, batch):
+    def pipeline_loss(self, module, output, batch):
         return None
 
 
 class _VectorMetric(MultiModalModel):
-    def pipeline_loss(self, output, batch):
-        return {"loss": super().pipeline_loss(output, batch)["loss"], "per_sample": output.mean((1, 2))}
+    def pipeline_loss(self, module, output, batch):
+        return {"loss": super().pipeline_loss(module, output, batch)["loss"], "per_sample": output.mean((1, 2))}
 
 
 class _NoInputsHook(MultiModalModel):
@@ -157,6 +157,7 @@ def _fit_mistakes(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_fit_time_mistakes_raise_config_errors():
     (messages,) = run_distributed(_fit_mistakes, 1, timeout=100, init_pg=False)

@@ -62,8 +62,8 @@ class FaultyModel(MultiModalModel):
             os.kill(os.getpid(), signal.SIGKILL)
         return tensor * math.nan
 
-    def pipeline_loss(self, output, batch):
-        result = super().pipeline_loss(output, batch)
+    def pipeline_loss(self, module, output, batch):
+        result = super().pipeline_loss(module, output, batch)
         if self.fault[1] == 2:
             result["loss"] = self._maybe_fault(result["loss"])
         return result
@@ -88,6 +88,7 @@ def _launch(fault: str, rank: int, step: int, microbatch: int) -> list[str]:
                            allow_failures=True, failure_grace=20)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [2, 1, 0])
 def test_exception_on_one_rank_is_named_by_every_peer(rank):
@@ -100,6 +101,7 @@ def test_exception_on_one_rank_is_named_by_every_peer(rank):
             assert message.startswith(f"PipelineError: {cause} (rank {r}: a transfer with rank(s)"), (r, message)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_nan_loss_on_one_microbatch_stops_every_rank_with_the_same_message():
     messages = _launch("nan", 2, 1, 1)
@@ -109,6 +111,7 @@ def test_nan_loss_on_one_microbatch_stops_every_rank_with_the_same_message():
         assert message.startswith(expected), message
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [2, 1, 0])
 def test_killed_rank_is_named_by_every_peer(rank):

@@ -14,6 +14,7 @@ from tests.dist import TEST_DEVICE, requires_cuda
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_gpu_check_runs_green_without_a_gpu_and_fails_on_an_injected_failure():
     """One run: every check passes or skips for a stated reason, except the one made to fail,
@@ -44,6 +45,7 @@ def test_gpu_check_runs_green_without_a_gpu_and_fails_on_an_injected_failure():
     assert "FAILED: bf16-mixed" in table
 
 
+@pytest.mark.distributed
 @requires_cuda
 @pytest.mark.timeout(600)
 def test_gpu_check_on_cuda():

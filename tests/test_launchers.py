@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_failure_ends_every_rank_promptly(start_method):

@@ -236,6 +236,22 @@ def test_first_last_stage_and_pp_neighbours():
     assert layout.pp_prev(single) is None and layout.pp_next(single) is None
 
 
+def test_loss_stage_and_input_gradients():
+    layout = PipelineLayout(
+        {"enc": P(), "proj": P(), "llm": P(pp=2), "aux": P()},
+        {"enc": ["proj"], "proj": ["llm", "aux"], "llm": [], "aux": []},
+    )
+    loss = {(r, s.module, s.stage) for r in range(layout.world_size) for s in layout.slots(r) if layout.is_loss_stage(s)}
+    assert loss == {(3, "llm", 1), (4, "aux", 0)}  # the last stage of each sink only
+    slot = {s.module + str(s.stage): s for r in range(layout.world_size) for s in layout.slots(r)}
+    assert not layout.sends_input_gradients(slot["enc0"], frozenset())  # the first stage of a source
+    assert layout.sends_input_gradients(slot["proj0"], frozenset())
+    assert not layout.sends_input_gradients(slot["proj0"], {"enc"})  # its only producer runs no backward
+    assert layout.sends_input_gradients(slot["llm1"], {"enc", "proj"})  # its producer is llm stage 0
+    assert layout.no_backward_modules({"proj"}) == frozenset()  # a frozen middle module: trainable upstream
+    assert layout.no_backward_modules({"enc", "proj"}) == {"enc", "proj"}
+
+
 def test_slots_and_slot():
     layout = PipelineLayout(
         {"vision": P(dp=2), "audio": P(), "llm": P(pp=2)},

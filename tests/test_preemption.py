@@ -90,6 +90,7 @@ def _preempt_several_times(rank: int, world: int, root: Path) -> dict:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_sigterm_to_the_group_or_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     per_rank = run_distributed(_preempt_several_times, 3, tmp_path, timeout=200, init_pg=False)
@@ -120,6 +121,7 @@ def _hung_rank(rank: int, world: int, root: Path, targets: list[int]) -> str:
     return "finished"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_sigterm_ends_every_rank_when_a_rank_is_stuck_mid_step(tmp_path):
     """Rank 1 hangs at the start of step 2; SIGTERM to every rank: no step boundary comes, so each rank's
@@ -130,6 +132,7 @@ def test_sigterm_ends_every_rank_when_a_rank_is_stuck_mid_step(tmp_path):
         assert isinstance(result, RankFailure) and "code 143" in result, (rank, result)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_sigterm_to_a_stuck_rank_ends_it_and_its_peers_name_it(tmp_path):
     """Rank 1 hangs at the start of step 2 and only rank 1 gets SIGTERM. It cannot reach a step

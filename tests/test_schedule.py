@@ -10,19 +10,17 @@ from hypothesis import strategies as st
 
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.schedule import (
-    BACKWARD,
-    FORWARD,
-    Compute,
-    Exchange,
-    Schedule,
-    Transfer,
-    build_schedule,
-    message_groups,
-)
-from lightning_mmpp.simulator import DeadlockError, simulate
+from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.schedule import build_schedule, message_groups
+from lightning_mmpp.simulator import DeadlockError, simulate, validate_schedule
 
 P = ModulePlacement
+FORWARD, BACKWARD = Phase.FORWARD, Phase.BACKWARD
+
+
+def T(direction: Direction, src: str, dst: str, k: int, peer: int) -> Transfer:
+    return Transfer(MessageKey(direction, src, dst, k), peer)
+
 TF, TB = 1.0, 2.0
 
 
@@ -109,7 +107,7 @@ def check_transfers(schedule: Schedule, layout: PipelineLayout) -> None:
     for (rank, role, t), idx in where.items():
         assert len(idx) == 1, (rank, role, t, idx)
         other = "recv" if role == "send" else "send"
-        mirror = Transfer(t.direction, t.src_module, t.dst_module, t.microbatch, rank)
+        mirror = t.mirror(rank)
         assert len(where.get((t.peer, other, mirror), [])) == 1, (rank, role, t)
 
     # a message's transfers are all in one exchange (per role) on every rank
@@ -123,7 +121,7 @@ def check_transfers(schedule: Schedule, layout: PipelineLayout) -> None:
     pairing: dict[tuple[int, int, int], set[int]] = defaultdict(set)  # (r, i, q) -> exchanges on q
     for (rank, role, t), (i,) in where.items():
         other = "recv" if role == "send" else "send"
-        mirror = Transfer(t.direction, t.src_module, t.dst_module, t.microbatch, rank)
+        mirror = t.mirror(rank)
         (j,) = where[(t.peer, other, mirror)]
         pairing[(rank, i, t.peer)].add(j)
     assert all(len(v) == 1 for v in pairing.values()), pairing
@@ -139,15 +137,15 @@ def check_transfers(schedule: Schedule, layout: PipelineLayout) -> None:
     for rank in range(world):
         for slot in layout.slots(rank):
             for k in range(m):
-                is_sink_end = layout.is_last_stage(slot) and not layout.topology.downstream(slot.module)
+                is_sink_end = layout.is_loss_stage(slot)
                 for dst, peer in layout.forward_targets(slot):
-                    expected[(rank, "send", Transfer(FORWARD, slot.module, dst, k, peer.rank))] += 1
+                    expected[(rank, "send", T(Direction.FORWARD, slot.module, dst, k, peer.rank))] += 1
                     if not schedule.forward_only:
-                        expected[(rank, "recv", Transfer(BACKWARD, slot.module, dst, k, peer.rank))] += 1
+                        expected[(rank, "recv", T(Direction.BACKWARD, slot.module, dst, k, peer.rank))] += 1
                 for src, peer in layout.forward_sources(slot):
-                    expected[(rank, "recv", Transfer(FORWARD, src, slot.module, k, peer.rank))] += 1
+                    expected[(rank, "recv", T(Direction.FORWARD, src, slot.module, k, peer.rank))] += 1
                     if not schedule.forward_only:
-                        expected[(rank, "send", Transfer(BACKWARD, src, slot.module, k, peer.rank))] += 1
+                        expected[(rank, "send", T(Direction.BACKWARD, src, slot.module, k, peer.rank))] += 1
                 assert not (is_sink_end and layout.forward_targets(slot))
     assert Counter({key: len(v) for key, v in where.items()}) == expected
 
@@ -159,7 +157,7 @@ def check_causality(schedule: Schedule, layout: PipelineLayout) -> None:
         for action in schedule.for_rank(rank):
             if isinstance(action, Exchange):
                 for t in action.recvs:
-                    module = t.dst_module if t.direction == FORWARD else t.src_module
+                    module = t.dst_module if t.direction is Direction.FORWARD else t.src_module
                     arrived[(t.direction, module, t.microbatch)] += 1
                 continue
             slot = layout.slot(rank, action.module)
@@ -167,7 +165,8 @@ def check_causality(schedule: Schedule, layout: PipelineLayout) -> None:
                 need = len(layout.forward_sources(slot))
             else:
                 need = len(layout.forward_targets(slot))
-            assert arrived[(action.phase, action.module, action.microbatch)] == need, (rank, action)
+            direction = Direction.FORWARD if action.phase is FORWARD else Direction.BACKWARD
+            assert arrived[(direction, action.module, action.microbatch)] == need, (rank, action)
 
 
 # --- chains ----------------------------------------------------------------------------------
@@ -213,7 +212,7 @@ def test_chain_forward_only(name, pp, m):
         assert computes(schedule, s) == [(FORWARD, k) for k in range(m)]
         for action in schedule.for_rank(s):
             if isinstance(action, Exchange):
-                assert all(t.direction == FORWARD for t in action.sends + action.recvs)
+                assert all(t.direction is Direction.FORWARD for t in action.sends + action.recvs)
     check_compute_coverage(schedule, layout)
     check_transfers(schedule, layout)
     check_causality(schedule, layout)
@@ -238,6 +237,28 @@ def test_chain_simulated_step_time_and_stash(mode, name, pp, m):
         assert result.peak_stashed == (m,) * pp
 
 
+def test_separate_phase_costs_bubble_and_stash_units():
+    layout = chain(2)
+    # 1F1B, m=2, per-stage costs: F 1/2, fused B 4 on stage 1 only
+    result = simulate(build_schedule(layout, 2), layout, lambda mod, s: 1.0 + s, lambda mod, s: 2.0 + 2 * s)
+    assert result.busy == (2 * (1 + 2), 2 * (2 + 4))
+    # rank 0 F0 F1 [waits for g0] B0 [waits for g1] B1; rank 1 F0 B0 F1 B1 after rank 0's F0
+    assert result.step_time == 1 + 2 + 4 + 2 + 4 + 2
+    assert result.bubble == result.step_time - 12
+    # zero bubble: I and W costs apart; a lone W (stage 0: nothing to send upstream) costs the fused B
+    zb = build_schedule(layout, 2, "zero_bubble")
+    assert [str(a) for a in zb.for_rank(1) if isinstance(a, Compute)] == ["F0:a", "I0:a", "W0:a", "F1:a", "I1:a", "W1:a"]
+    assert [str(a) for a in zb.for_rank(0) if isinstance(a, Compute)] == ["F0:a", "F1:a", "W0:a", "W1:a"]
+    r = simulate(zb, layout, 1.0, 5.0, input_cost=2.0, weight_cost=0.5, weight_stash=0.25)
+    assert r.busy == (2 * (1 + 5), 2 * (1 + 2 + 0.5))
+    assert r.peak_stashed == (2, 1)
+    assert r.peak_stash_units == (2, 1)
+    # rank 0: F0 F1, its lone W0 from t=4 (rank 1's I0 ends) to 9, then W1 to 14
+    assert r.step_time == 14
+    one_unit = simulate(zb, layout, 1.0, 2.0, weight_stash=0.25)
+    assert one_unit.peak_stash_units == (2, 1)
+
+
 def test_chain_with_latency_and_per_stage_costs():
     layout = chain(3)
     schedule = build_schedule(layout, 6)
@@ -252,7 +273,7 @@ def test_render_and_str():
     assert schedule.render(0).split()[0] == "F0:a"
     assert "a->a#0@1" in schedule.render(0)
     assert str(Compute(BACKWARD, "llm", 3)) == "B3:llm"
-    assert str(Transfer(BACKWARD, "vision", "llm", 1, 2)) == "vision<-llm#1@2"
+    assert str(T(Direction.BACKWARD, "vision", "llm", 1, 2)) == "vision<-llm#1@2"
 
 
 def test_schedule_is_a_pure_function():
@@ -285,8 +306,8 @@ def test_bad_arguments(args, match):
 
 def test_simulator_detects_both_ranks_receiving_first():
     layout = chain(2)
-    to_1 = Transfer(FORWARD, "a", "a", 0, 1)
-    to_0 = Transfer(FORWARD, "a", "a", 0, 0)
+    to_1 = T(Direction.FORWARD, "a", "a", 0, 1)
+    to_0 = T(Direction.FORWARD, "a", "a", 0, 0)
     actions = (
         (Exchange((), (to_1,)), Exchange((to_1,), ())),  # rank 0: recv from 1, then send to 1
         (Exchange((), (to_0,)), Exchange((to_0,), ())),  # rank 1: recv from 0, then send to 0
@@ -301,8 +322,8 @@ def test_simulator_detects_send_before_recv_cycle_only_in_rendezvous():
     # both ranks send first, then receive: fine with buffered (eager) sends, a deadlock when a
     # send waits for its receive
     layout = chain(2)
-    to_1 = Transfer(FORWARD, "a", "a", 0, 1)
-    to_0 = Transfer(FORWARD, "a", "a", 0, 0)
+    to_1 = T(Direction.FORWARD, "a", "a", 0, 1)
+    to_0 = T(Direction.FORWARD, "a", "a", 0, 0)
     actions = (
         (Exchange((to_1,), ()), Exchange((), (to_1,))),
         (Exchange((to_0,), ()), Exchange((), (to_0,))),
@@ -316,7 +337,7 @@ def test_simulator_detects_send_before_recv_cycle_only_in_rendezvous():
 def test_simulator_detects_a_missing_other_end():
     layout = chain(2)
     actions = (
-        (Compute(FORWARD, "a", 0), Exchange((Transfer(FORWARD, "a", "a", 0, 1),), ())),
+        (Compute(FORWARD, "a", 0), Exchange((T(Direction.FORWARD, "a", "a", 0, 1),), ())),
         (Compute(FORWARD, "a", 0),),  # never receives
     )
     schedule = Schedule("1f1b", 1, True, actions)
@@ -328,8 +349,8 @@ def test_simulator_detects_a_missing_other_end():
 def test_simulator_detects_a_mismatched_microbatch():
     layout = chain(2)
     actions = (
-        (Exchange((Transfer(FORWARD, "a", "a", 0, 1),), ()),),
-        (Exchange((), (Transfer(FORWARD, "a", "a", 1, 0),)),),
+        (Exchange((T(Direction.FORWARD, "a", "a", 0, 1),), ()),),
+        (Exchange((), (T(Direction.FORWARD, "a", "a", 1, 0),)),),
     )
     with pytest.raises(DeadlockError, match="never posts the other end"):
         simulate(Schedule("1f1b", 1, True, actions), layout)
@@ -338,8 +359,8 @@ def test_simulator_detects_a_mismatched_microbatch():
 def test_simulator_rejects_a_transfer_posted_twice():
     # regression: a duplicated transfer used to surface as a bare KeyError
     layout = chain(2)
-    to_1 = Transfer(FORWARD, "a", "a", 0, 1)
-    to_0 = Transfer(FORWARD, "a", "a", 0, 0)
+    to_1 = T(Direction.FORWARD, "a", "a", 0, 1)
+    to_0 = T(Direction.FORWARD, "a", "a", 0, 0)
     actions = (
         (Exchange((to_1,), ()), Exchange((to_1,), ())),
         (Exchange((), (to_0,)), Exchange((), (to_0,))),
@@ -404,7 +425,7 @@ def test_colocated_modules_send_to_themselves():
     assert layout.world_size == 1
     schedule = build_schedule(layout, 3)
     sends = [t for a in schedule.for_rank(0) if isinstance(a, Exchange) for t in a.sends]
-    assert Transfer(FORWARD, "enc", "llm", 0, 0) in sends
+    assert T(Direction.FORWARD, "enc", "llm", 0, 0) in sends
     assert computes(schedule, 0, "enc") == expected_1f1b(3, 2)
     assert computes(schedule, 0, "llm") == expected_1f1b(3, 1)
     check_transfers(schedule, layout)
@@ -420,7 +441,7 @@ def test_colocated_pipelined_modules_wrap_around():
     for name in ("1f1b", "gpipe"):
         schedule = build_schedule(layout, 3, name)
         sends = [t for a in schedule.for_rank(1) if isinstance(a, Exchange) for t in a.sends]
-        assert Transfer(FORWARD, "enc", "llm", 0, 0) in sends
+        assert T(Direction.FORWARD, "enc", "llm", 0, 0) in sends
         check_compute_coverage(schedule, layout)
         check_transfers(schedule, layout)
         check_causality(schedule, layout)
@@ -468,6 +489,7 @@ def test_random_dags(data, m, name, numbering, forward_only):
     placements, topology = data
     layout = PipelineLayout(placements, topology)
     schedule = build_schedule(layout, m, name, forward_only=forward_only, numbering=numbering)
+    validate_schedule(schedule, layout)
     check_compute_coverage(schedule, layout)
     check_transfers(schedule, layout)
     check_causality(schedule, layout)
@@ -510,11 +532,9 @@ def test_random_dags_with_frozen_modules(data, m, name, draw):
     placements, topology = data
     layout = PipelineLayout(placements, topology)
     frozen = {mod for mod in layout.modules if draw.draw(st.booleans())}
-    no_grad: set[str] = set()
-    for module in layout.topology.order:  # closed upstream, as the strategy computes it
-        if module in frozen and all(u in no_grad for u in layout.topology.upstream(module)):
-            no_grad.add(module)
-    schedule = build_schedule(layout, m, name, no_grad_modules=frozenset(no_grad))
+    no_grad = layout.no_backward_modules(frozen)
+    schedule = build_schedule(layout, m, name, no_backward_modules=no_grad)
+    validate_schedule(schedule, layout, no_grad)
     simulate(schedule, layout, TF, TB, mode="rendezvous")
     simulate(schedule, layout, TF, TB, mode="eager")
     for rank in range(layout.world_size):
@@ -526,4 +546,4 @@ def test_random_dags_with_frozen_modules(data, m, name, draw):
         for action in schedule.for_rank(rank):
             if isinstance(action, Exchange):
                 for t in action.sends + action.recvs:
-                    assert not (t.direction == BACKWARD and t.src_module in no_grad)
+                    assert not (t.direction is Direction.BACKWARD and t.src_module in no_grad)

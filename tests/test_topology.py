@@ -315,3 +315,38 @@ def test_random_dag_order_and_numbering(data):
     for m in topo.sinks:
         assert n.alap[(m, pp[m] - 1)] == n.depth - 1
     assert n.depth == max(n.asap[(m, pp[m] - 1)] for m in topo.sinks) + 1
+
+
+# --- which modules run a backward ---------------------------------------------------------------
+
+
+def test_no_backward_modules_closed_upstream():
+    # enc_a (frozen) and enc_b feed proj (frozen, a middle module), which feeds llm
+    topo = ModuleTopology({"enc_a": ["proj"], "enc_b": ["proj"], "proj": ["llm"], "llm": []})
+    assert topo.no_backward_modules(set()) == frozenset()
+    assert topo.no_backward_modules({"enc_a"}) == {"enc_a"}
+    # a frozen middle module with a trainable upstream module still runs its backward
+    assert topo.no_backward_modules({"proj"}) == frozenset()
+    assert topo.no_backward_modules({"enc_a", "proj"}) == {"enc_a"}
+    # with everything upstream frozen as well, it runs none
+    assert topo.no_backward_modules({"enc_a", "enc_b", "proj"}) == {"enc_a", "enc_b", "proj"}
+    assert topo.no_backward_modules(topo.modules) == frozenset(topo.modules)
+    with pytest.raises(ValueError, match="unknown module"):
+        topo.no_backward_modules({"vision"})
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.data())
+def test_no_backward_modules_random(data):
+    n = data.draw(st.integers(1, 7))
+    names = [f"m{i}" for i in range(n)]
+    edges = {m: [names[j] for j in range(i + 1, n) if data.draw(st.booleans())] for i, m in enumerate(names)}
+    topo = ModuleTopology(edges)
+    frozen = {m for m in names if data.draw(st.booleans())}
+    result = topo.no_backward_modules(frozen)
+
+    def trainable_ancestor(module: str) -> bool:
+        return any(u not in frozen or trainable_ancestor(u) for u in topo.upstream(module))
+
+    assert result == {m for m in frozen if not trainable_ancestor(m)}
+    assert all(set(topo.upstream(m)) <= result for m in result)  # closed upstream

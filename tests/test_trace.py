@@ -11,9 +11,13 @@ import lightning as L
 import pytest
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
-from lightning_mmpp.schedule import FORWARD, Compute, build_schedule
+from lightning_mmpp.actions import Compute
+from lightning_mmpp.schedule import build_schedule
+from lightning_mmpp.trace import PHASE_SPANS
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
+
+pytestmark = pytest.mark.distributed  # every test here launches processes
 
 P = ModulePlacement
 STEPS = 2
@@ -96,4 +100,4 @@ def test_every_forward_has_one_later_backward_and_follows_the_schedule(traced):
         ]
         for step in range(STEPS):
             got = [(e["name"], e["cat"], e["args"]["microbatch"]) for e in mine if e["args"]["step"] == step]
-            assert got == [("forward" if p == FORWARD else "backward", m, k) for p, m, k in expected], (rank, step)
+            assert got == [(PHASE_SPANS[p], m, k) for p, m, k in expected], (rank, step)
