@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import sys
 import time
 import types
 import warnings
@@ -41,6 +43,8 @@ from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.initialization import has_meta_tensors
+from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
+from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
 from lightning_mmpp.microbatch import (
@@ -140,6 +144,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
     meta device; each rank allocates and initialises only the stages it holds
     (:func:`~lightning_mmpp.materialize`, seeded by the run's seed), so no rank holds the whole model.
+        preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
+            SLURM's requeue signal): every rank stops at the next step boundary, saves it there
+            and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.preemption`).
     """
 
     strategy_name = "multimodule_pipeline"
@@ -162,6 +169,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
         pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
+        preemption_checkpoint: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -207,6 +215,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             )
         self._pretrained_keys_read: dict[str, list[str]] = {}
         self._tie_groups: dict[tuple[int, ...], Any] = {}  # owner ranks of parameters tied across ranks
+        self._failures = FailureBoard(self._layout, 0, 1)
+        self.preemption_checkpoint = preemption_checkpoint
+        self._preemption: Optional[PreemptionHandler] = None
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -355,10 +366,32 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
+        self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
+        self._failures.attach()
+        self._install_preemption(trainer)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
-            no_backward_modules=self._no_grad_modules,
+            no_backward_modules=self._no_grad_modules, failures=self._failures,
         )
+
+    def _install_preemption(self, trainer: Any) -> None:
+        board = self._failures
+
+        def on_stuck(signum: int, waited_s: float) -> None:  # watcher thread: leave a root cause
+            report = board.report("preempted", message=(
+                f"received {signal.Signals(signum).name} and left mid-step (no step boundary within {waited_s:.0f} s)"))
+            print(f"{report.describe()}; exiting with status {128 + signum}", file=sys.stderr, flush=True)
+            board.publish(report)
+
+        if self._preemption is None:
+            self._preemption = PreemptionHandler(preemption_signals(trainer), on_stuck)
+        self._preemption.install(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Step boundary: stop every rank together if any was sent a preemption signal."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._preemption is not None:
+            stop_at_boundary(self._preemption, self, self.preemption_checkpoint, self._failures)
 
     def connect(self, model: Any) -> None:
         """Attach the model; give it placeholder step methods for this Trainer call.
@@ -509,6 +542,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             assert slot is not None
             return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
 
+        trainer = self.lightning_module.trainer
+        self._failures.begin(trainer.global_step, trainer.state.stage.value if trainer.state.stage else kind)
         self._in_pipeline_step = True
         result = self._runtime.run(
             self.schedule(forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
@@ -547,6 +582,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 sum_tied_gradients(self.layout, self._partition.tied, self._tie_groups, self.global_rank)
         with self._tracer.span("metrics_allreduce", "metrics"):
             metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
+        raise_if_loss_not_finite(self._failures, {**metrics, **token_metrics}["loss"], result.sink_losses)
         if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
             self._divide_gradients(tokens)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
@@ -736,7 +772,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
             self._tie_groups = {}
+            drop_transfer_references(exception, self._comm)
             dist.destroy_process_group()
+            self._failures.linger()  # rank 0 serves the store: let peers read the root cause first
         self._in_pipeline_step = False
 
     def _write_trace(self) -> None:
@@ -755,6 +793,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        self._failures.release()
+        if self._preemption is not None:
+            self._preemption.uninstall()
         self._tie_groups = {}
         lm = self.lightning_module
         if lm is not None and has_meta_tensors(lm):
