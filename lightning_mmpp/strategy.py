@@ -32,7 +32,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_map
 
 from lightning_mmpp.checkpoint import PipelineCheckpointMixin
 from lightning_mmpp.comm import MultiModuleCommunicator
@@ -48,9 +47,9 @@ from lightning_mmpp.microbatch import (
     split_microbatches,
     unwrap_unsplit,
 )
-from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
 from lightning_mmpp.topology import ModuleTopology
@@ -180,6 +179,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
+        self._predictions: Optional[SinkOutputGatherer] = None
         # the unpartitioned model's state-dict keys in order (for exports), kept across Trainer calls
         self._unpartitioned_keys: Optional[list[str]] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
@@ -330,6 +330,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             self._tracer = Tracer(self.global_rank)
         self._gradients = self._stage_gradients()
         self._metrics = MetricReducer(self.world_size, self.root_device)
+        self._predictions = SinkOutputGatherer(self.layout, self.global_rank, self.root_device, self.world_size)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
@@ -548,29 +549,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         with self.precision_plugin.predict_step_context():
             result = self._run_pipeline(batch, forward_only=True, predict=True)
-        return self._gather_sink_outputs(result.sink_outputs)
-
-    def _gather_sink_outputs(self, local: Mapping[int, Mapping[str, Any]]) -> Any:
-        mine = {}
-        for k, per_sink in local.items():
-            for sink, out in per_sink.items():
-                replica = self.layout.slot(self.global_rank, sink).replica  # type: ignore[union-attr]
-                mine[(sink, replica, k)] = _to_cpu(out)
-        if self.world_size > 1:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        pieces: dict[tuple[str, int, int], Any] = {}
-        for part in parts:
-            pieces.update(part)
-        outputs = {}
-        for sink in self.layout.topology.sinks:
-            ordered = [
-                pieces[key] for key in sorted((key for key in pieces if key[0] == sink), key=lambda key: (key[2], key[1]))
-            ]
-            outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
-        return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
+        assert self._predictions is not None
+        return self._predictions.gather(result.sink_outputs)
 
     def clip_grad_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global gradient norm over every module and rank, dp replicas counted once.
@@ -644,10 +624,6 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
     """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
     return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
-
-
-def _to_cpu(payload: Any) -> Any:
-    return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
 
 
 def _run_by_strategy(self: Any, *args: Any, **kwargs: Any) -> Any:
