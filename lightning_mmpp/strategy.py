@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-from lightning_mmpp.checkpoint import PipelineCheckpointMixin
+from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
@@ -102,7 +102,7 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     return clone
 
 
-class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
+class MultiModulePipelineStrategy(ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
     Each module (an ``nn.Sequential`` / ``nn.ModuleList`` attribute of the LightningModule
@@ -180,8 +180,6 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
         self._predictions: Optional[SinkOutputGatherer] = None
-        # the unpartitioned model's state-dict keys in order (for exports), kept across Trainer calls
-        self._unpartitioned_keys: Optional[list[str]] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
@@ -560,6 +558,50 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         """
         assert self._gradients is not None
         return self._gradients.clip_norm_(max_norm, self.root_device)
+
+    # --- checkpoint hooks (the work is done by lightning_mmpp.checkpoint) -----------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the model is partitioned in ``setup``: a rank loads only what it owns, after that
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return _checkpoint.model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the checkpoint is "
+                "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+            )
+        _checkpoint.save_checkpoint(
+            checkpoint, filepath, model=self.lightning_module, layout=self.layout, rank=self.global_rank,
+            device=self.root_device,
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        lm = self.lightning_module
+        trainer = getattr(lm, "_trainer", None)
+        return _checkpoint.load_checkpoint(
+            checkpoint_path, model=lm, optimizers=self.optimizers, layout=self.layout, rank=self.global_rank,
+            device=self.root_device, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+            strict=bool(getattr(lm, "strict_loading", True)), weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _checkpoint.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        _checkpoint.load_optimizer_states(
+            self.lightning_module, self.optimizers, checkpoint["optimizer_states"], self.root_device
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _checkpoint.remove_checkpoint(filepath, rank=self.global_rank)
 
     # --- collectives Lightning asks for ----------------------------------------------------
 
