@@ -29,7 +29,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 
@@ -52,6 +52,7 @@ from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.summary import pipeline_summary
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
@@ -306,7 +307,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_fit_configuration(trainer)
-            self.setup_optimizers(trainer)
+            self._setup_one_optimizer(trainer)
+            self._replace_model_summary(trainer)
         self._partition_model()
         if fitting:
             self._filter_optimizers()
@@ -385,6 +387,35 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             raise PipelineConfigError(
                 "precision='16-mixed' with a gradient scaler is not supported by the pipeline; use "
                 "precision='bf16-mixed' or '32-true'."
+            )
+
+    def _setup_one_optimizer(self, trainer: Any) -> None:
+        """Lightning's ``setup_optimizers``, with advice that works under the strategy for several optimizers."""
+        try:
+            self.setup_optimizers(trainer)
+        except RuntimeError as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            raise PipelineConfigError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers returned several optimizers; "
+                "MultiModulePipelineStrategy steps one optimizer (manual optimization is not supported). Put the "
+                "parameters in one optimizer with a parameter group per part, each with its own hyper-parameters, "
+                "e.g. torch.optim.AdamW([{'params': self.vision.parameters(), 'lr': 1e-4}, "
+                "{'params': self.llm.parameters(), 'lr': 3e-4}]); LR schedulers scale each group."
+            ) from None
+
+    def _replace_model_summary(self, trainer: Any) -> None:
+        """Print the pipeline summary once (rank 0) instead of Lightning's model summary, which
+        would describe only rank 0's stages once the model is partitioned."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+            return
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        if self.lightning_module not in _PARTITIONED:  # a re-fit of a partitioned model was summarised before
+            rank_zero_info(
+                f"Pipeline: schedule {self.schedule_name!r}, {self.num_microbatches} microbatches, "
+                f"{self.layout.world_size} ranks\n{pipeline_summary(self.lightning_module, self.layout)}"
             )
 
     def _partition_model(self) -> None:
