@@ -23,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -32,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader
 
 from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
@@ -47,7 +49,7 @@ from lightning_mmpp.microbatch import (
     split_microbatches,
     unwrap_unsplit,
 )
-from lightning_mmpp.partition import Partition, partition_model
+from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
@@ -101,6 +103,26 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     clone.__dict__.update(plugin.__dict__)
     clone.pipeline_strategy = strategy
     return clone
+
+
+class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
+
+    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
+        super().__init__(*args)
+        self._pipeline_strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._pipeline_strategy.check_before_launch(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class MultiModulePipelineStrategy(ParallelStrategy):
@@ -276,9 +298,30 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                        self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_before_launch(self, trainer: Any, args: Sequence[Any]) -> None:
+        """The configuration errors knowable before any worker starts, raised in the launching
+        process (and, under torchrun / SLURM, on every rank before any collective), with the
+        messages the workers would give: the model's wiring, the world size, the model's layer
+        containers and hooks (unless it builds them in ``configure_model``), and a fixed
+        training ``DataLoader`` batch size against ``num_microbatches`` x lcm(dp sizes).
+        """
+        model = args[0] if args and isinstance(args[0], LightningModule) else None
+        if model is not None:
+            self._resolve_topology(model)
+        if self._layout is None:
+            return  # the wiring comes from a model given through a datamodule: checked in the workers
+        self.layout.check_world_size(self.num_nodes * self.num_processes)
+        if model is not None and model not in _PARTITIONED and not is_overridden("configure_model", model):
+            check_model(model, self.layout)
+        loader = args[1] if len(args) > 1 and trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        if isinstance(loader, DataLoader) and loader.batch_size is not None:
+            divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+            microbatch_count(loader.batch_size, self.num_microbatches, divisor)  # type: ignore[arg-type]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

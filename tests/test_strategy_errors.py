@@ -262,3 +262,31 @@ def test_precision_plugin_is_a_clipping_copy_and_pickles():
     assert vars(users) == before
     copy = pickle.loads(pickle.dumps(strategy))  # the spawn launcher pickles the strategy
     assert isinstance(copy.precision_plugin, MixedPrecision) and copy.precision_plugin.pipeline_strategy is copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["popen", "fork"])
+def test_errors_before_launch_start_no_worker(start_method, monkeypatch):
+    """Knowable mistakes are raised in the launching process, before any worker starts."""
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_workers)
+    monkeypatch.setattr(_MultiProcessingLauncher, "_wrapping_function", no_workers)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def fit(placements, model, batch_size, devices, topology=None):
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=4, start_method=start_method)
+        trainer = L.Trainer(devices=devices, strategy=strategy, **QUIET)
+        with pytest.raises(PipelineConfigError) as err:
+            trainer.fit(model, make_loader(TOPOLOGY, batch_size, batch_size * 2))
+        return str(err.value)
+
+    assert "need 3 ranks" in fit({"enc_a": P(dp=2), "llm": P()}, MultiModalModel(TOPOLOGY), 8, 2)
+    assert "multiple of 8" in fit({"enc_a": P(dp=2), "llm": P()}, MultiModalModel(TOPOLOGY), 12, 3)
+    assert "nn.Sequential or nn.ModuleList" in fit({"enc_a": P(), "llm": P()}, _NoContainer(), 8, 2)
+    assert "pipeline_loss" in fit({"enc_a": P(), "llm": P()}, _NoLoss(TOPOLOGY), 8, 2)
+    assert "disagree" in fit({"enc_a": P(), "llm": P()}, _WrongWiring(), 8, 2, topology=TOPOLOGY)
