@@ -26,16 +26,17 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
 
 from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
@@ -55,12 +56,13 @@ from lightning_mmpp.microbatch import (
     split_microbatches,
     unwrap_unsplit,
 )
-from lightning_mmpp.payload import concat_payloads
-from lightning_mmpp.partition import Partition, partition_model
+from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.summary import pipeline_summary
 from lightning_mmpp.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
@@ -111,6 +113,26 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     clone.__dict__.update(plugin.__dict__)
     clone.pipeline_strategy = strategy
     return clone
+
+
+class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
+
+    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
+        super().__init__(*args)
+        self._pipeline_strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._pipeline_strategy.check_before_launch(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class MultiModulePipelineStrategy(ParallelStrategy):
@@ -203,6 +225,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
+        self._predictions: Optional[SinkOutputGatherer] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
@@ -310,9 +333,30 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                        self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_before_launch(self, trainer: Any, args: Sequence[Any]) -> None:
+        """The configuration errors knowable before any worker starts, raised in the launching
+        process (and, under torchrun / SLURM, on every rank before any collective), with the
+        messages the workers would give: the model's wiring, the world size, the model's layer
+        containers and hooks (unless it builds them in ``configure_model``), and a fixed
+        training ``DataLoader`` batch size against ``num_microbatches`` x lcm(dp sizes).
+        """
+        model = args[0] if args and isinstance(args[0], LightningModule) else None
+        if model is not None:
+            self._resolve_topology(model)
+        if self._layout is None:
+            return  # the wiring comes from a model given through a datamodule: checked in the workers
+        self.layout.check_world_size(self.num_nodes * self.num_processes)
+        if model is not None and model not in _PARTITIONED and not is_overridden("configure_model", model):
+            check_model(model, self.layout)
+        loader = args[1] if len(args) > 1 and trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        if isinstance(loader, DataLoader) and loader.batch_size is not None:
+            divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+            microbatch_count(loader.batch_size, self.num_microbatches, divisor)  # type: ignore[arg-type]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -341,7 +385,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_fit_configuration(trainer)
-            self.setup_optimizers(trainer)
+            self._setup_one_optimizer(trainer)
+            self._replace_model_summary(trainer)
         self._partition_model()
         if fitting:
             self._filter_optimizers()
@@ -365,6 +410,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self.world_size > 1 and not self._tie_groups:
             self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
+        self._predictions = SinkOutputGatherer(self.layout, self.global_rank, self.root_device, self.world_size)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
         self._failures.attach()
@@ -443,6 +489,35 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             raise PipelineConfigError(
                 "precision='16-mixed' with a gradient scaler is not supported by the pipeline; use "
                 "precision='bf16-mixed' or '32-true'."
+            )
+
+    def _setup_one_optimizer(self, trainer: Any) -> None:
+        """Lightning's ``setup_optimizers``, with advice that works under the strategy for several optimizers."""
+        try:
+            self.setup_optimizers(trainer)
+        except RuntimeError as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            raise PipelineConfigError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers returned several optimizers; "
+                "MultiModulePipelineStrategy steps one optimizer (manual optimization is not supported). Put the "
+                "parameters in one optimizer with a parameter group per part, each with its own hyper-parameters, "
+                "e.g. torch.optim.AdamW([{'params': self.vision.parameters(), 'lr': 1e-4}, "
+                "{'params': self.llm.parameters(), 'lr': 3e-4}]); LR schedulers scale each group."
+            ) from None
+
+    def _replace_model_summary(self, trainer: Any) -> None:
+        """Print the pipeline summary once (rank 0) instead of Lightning's model summary, which
+        would describe only rank 0's stages once the model is partitioned."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+            return
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        if self.lightning_module not in _PARTITIONED:  # a re-fit of a partitioned model was summarised before
+            rank_zero_info(
+                f"Pipeline: schedule {self.schedule_name!r}, {self.num_microbatches} microbatches, "
+                f"{self.layout.world_size} ranks\n{pipeline_summary(self.lightning_module, self.layout)}"
             )
 
     def _partition_model(self) -> None:
@@ -669,29 +744,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         with self.precision_plugin.predict_step_context():
             result = self._run_pipeline(batch, forward_only=True, predict=True)
-        return self._gather_sink_outputs(result.sink_outputs)
-
-    def _gather_sink_outputs(self, local: Mapping[int, Mapping[str, Any]]) -> Any:
-        mine = {}
-        for k, per_sink in local.items():
-            for sink, out in per_sink.items():
-                replica = self.layout.slot(self.global_rank, sink).replica  # type: ignore[union-attr]
-                mine[(sink, replica, k)] = _to_cpu(out)
-        if self.world_size > 1:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        pieces: dict[tuple[str, int, int], Any] = {}
-        for part in parts:
-            pieces.update(part)
-        outputs = {}
-        for sink in self.layout.topology.sinks:
-            ordered = [
-                pieces[key] for key in sorted((key for key in pieces if key[0] == sink), key=lambda key: (key[2], key[1]))
-            ]
-            outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
-        return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
+        assert self._predictions is not None
+        return self._predictions.gather(result.sink_outputs)
 
     def clip_grad_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global gradient norm over every module and rank, dp replicas counted once.
@@ -825,10 +879,6 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
     """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
     return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
-
-
-def _to_cpu(payload: Any) -> Any:
-    return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
 
 
 def _run_by_strategy(self: Any, *args: Any, **kwargs: Any) -> Any:
