@@ -534,3 +534,54 @@ def test_remote_urls_are_refused_and_file_urls_are_local(saved):
     with pytest.raises(PipelineConfigError, match="remote URLs are not supported"):
         ckpt.read_checkpoint_tensors("s3://bucket/ckpt")
     assert set(ckpt.read_checkpoint_tensors(f"file://{saved}", ["enc.0.bias"])) == {"enc.0.bias"}
+
+
+# --- the user's view: a run killed while ModelCheckpoint rewrites last.ckpt ----------------------
+
+
+def _killed_while_rewriting_last(rank: int, world: int, root: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_checkpoint import LAYOUT_B, _loader, _model, _trainer
+
+    write_meta = ckpt._write_meta
+
+    def killed_at_step_2(meta, staging):
+        if meta["global_step"] == 2:
+            _die()  # after every rank's data files, before meta.pt: issue 16's data loss
+        write_meta(meta, staging)
+
+    if rank == 0:
+        ckpt._write_meta = killed_at_step_2
+    last = ModelCheckpoint(dirpath=root, save_top_k=0, save_last=True, every_n_train_steps=1)
+    _trainer(LAYOUT_B, 1, [last]).fit(_model(), _loader())
+
+
+def _resume_last(rank: int, world: int, root: str) -> dict:
+    import lightning as L
+
+    from tests.test_checkpoint import LAYOUT_B, _loader, _model, _trainer
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.step = trainer.global_step
+            self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    start = Start()
+    _trainer(LAYOUT_B, 1, [start]).fit(_model(), _loader(), ckpt_path=str(Path(root) / "last.ckpt"))
+    return {"step": start.step, "params": start.params}
+
+
+@pytest.mark.timeout(120)
+def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it(tmp_path):
+    with pytest.raises(AssertionError, match="exited with code 17|exited \\(code 17\\)"):
+        run_distributed(_killed_while_rewriting_last, 2, str(tmp_path), timeout=90, init_pg=False)
+    last = tmp_path / "last.ckpt"
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 1  # the previous last.ckpt, intact
+    stored = ckpt.read_checkpoint_tensors(last)
+    results = run_distributed(_resume_last, 2, str(tmp_path), timeout=90, init_pg=False)
+    assert all(r["step"] == 1 for r in results)
+    restored = {n: v for r in results for n, v in r["params"].items()}
+    assert restored.keys() == stored.keys() - {n for n in stored if not n.endswith(("weight", "bias"))}
+    for name, value in restored.items():
+        assert torch.equal(value, stored[name]), name
