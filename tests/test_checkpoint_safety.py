@@ -395,6 +395,15 @@ def test_unsafe_load_opens_trusted_objects(tmp_path, capsys):
     assert exported["user_ratio"] == Fraction(1, 3)
     assert torch.equal(exported["state_dict"]["llm.1.bias"], torch.ones(3))
 
+    # resuming: Trainer.fit(..., weights_only=False) reaches load_checkpoint the same way
+    def load(**kwargs):
+        return ckpt.load_checkpoint(path, model=model, optimizers=[], layout=layout, rank=0, device=CPU,
+                                    fitting=False, **kwargs)
+
+    with pytest.raises(PipelineConfigError, match="'meta.pt' .* weights_only=False"):
+        load()
+    assert load(weights_only=False)["user_ratio"] == Fraction(1, 3)
+
 
 def test_unsafe_load_help_says_what_it_allows(capsys):
     with pytest.raises(SystemExit):
