@@ -112,7 +112,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     Args:
         placements: ``{module: ModulePlacement(pp, dp, rank_offset)}``.
-        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss.
+        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss. May be
+            omitted when the LightningModule declares it as ``pipeline_topology``; if both are
+            given they must agree.
         num_microbatches: microbatches per global batch.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         stage_numbering: ``"alap"`` (default) or ``"asap"``; which global stage index bounds the
@@ -131,8 +133,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def __init__(
         self,
         placements: Mapping[str, ModulePlacement],
-        topology: Mapping[str, Sequence[str]],
-        num_microbatches: int,
+        topology: Optional[Mapping[str, Sequence[str]]] = None,
+        num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         *,
         stage_numbering: Literal["alap", "asap"] = "alap",
@@ -153,10 +155,12 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_schedule_args(schedule, num_microbatches, stage_numbering)
+        check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
         if start_method not in ("popen", "spawn", "fork"):
             raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
-        self.layout = PipelineLayout(placements, topology)
+        self._placements = placements
+        # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
+        self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.stage_numbering = stage_numbering
@@ -177,15 +181,48 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
-        self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
     @property
+    def layout(self) -> PipelineLayout:
+        """The placement of every module on ranks (known once a topology is: see ``topology``)."""
+        if self._layout is None:
+            raise PipelineConfigError(
+                "MultiModulePipelineStrategy(topology=None) has no topology until the Trainer connects the model; "
+                "declare `pipeline_topology` on the LightningModule or pass topology= to the strategy."
+            )
+        return self._layout
+
+    @property
     def topology(self) -> ModuleTopology:
         return self.layout.topology
+
+    def _resolve_topology(self, model: Any) -> None:
+        """Take the model's ``pipeline_topology``; check it against the strategy's ``topology=``."""
+        declared = getattr(model, "pipeline_topology", None)
+        if declared is None:
+            if self._layout is None:
+                raise PipelineConfigError(
+                    f"MultiModulePipelineStrategy has no topology: declare `pipeline_topology = {{module: "
+                    f"[downstream modules]}}` on {type(model).__name__} or pass topology= to the strategy."
+                )
+            return
+        try:
+            ours = ModuleTopology(declared)
+        except PipelineConfigError as err:
+            raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
+        if self._layout is None:
+            self._layout = PipelineLayout(self._placements, ours)
+            return
+        theirs = self._layout.topology
+        if _edges(ours) != _edges(theirs):
+            raise PipelineConfigError(
+                f"{type(model).__name__}.pipeline_topology {_edges(ours)} and the strategy's topology= "
+                f"{_edges(theirs)} disagree; pass only one (the model's is enough) or make them equal."
+            )
 
     @property
     def is_distributed(self) -> bool:
@@ -308,6 +345,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         instance to a placeholder that explains this if called directly; ``teardown`` removes
         them again.
         """
+        self._resolve_topology(model)
         trainer = getattr(model, "_trainer", None)
         if trainer is not None:
             fn = trainer.state.fn
@@ -404,7 +442,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         size = batch_size_of(batch)
         kind = "predict" if predict else "eval" if forward_only else "train"
         largest = self._largest_batch.get(kind, 0)
-        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < largest)
+        divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+        m = microbatch_count(size, self.num_microbatches, divisor, short=size < largest)
         self._largest_batch[kind] = max(largest, size)
         micro = split_microbatches(batch, m)
         per = size // m
@@ -631,12 +670,22 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         super().teardown()
 
     def __str__(self) -> str:
+        if self._layout is None:
+            return (
+                f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
+                f"placements={dict(self._placements)}, topology from the model)"
+            )
         return (
             f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
             f"world_size={self.layout.world_size})\n{self.layout.table()}"
         )
 
     __repr__ = __str__
+
+
+def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
+    """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
+    return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
 
 
 def _to_cpu(payload: Any) -> Any:

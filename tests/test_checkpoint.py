@@ -31,6 +31,8 @@ from lightning_mmpp.checkpoint import export_checkpoint
 from tests.dist import run_distributed
 from tests.models import HIDDEN, VOCAB, MultiModalModel, make_loader
 
+pytestmark = pytest.mark.distributed  # every test here launches processes
+
 P = ModulePlacement
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}
 LAYOUT_A = {"enc_a": P(dp=2), "llm": P(pp=2)}  # ranks 0-1: enc replicas; ranks 2-3: llm stages
