@@ -117,6 +117,7 @@ def _crashing_save(rank: int, world: int, path: str, phase: str) -> None:
     _save(layout, rank, 2, final)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_crash_at_any_phase_of_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
     final = tmp_path / "last.ckpt"
@@ -184,6 +185,7 @@ _rng_state = ckpt._rng_state
 _exchange = files._exchange
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_a_failing_save_raises_on_every_rank_and_keeps_the_old_checkpoint(tmp_path):
     final = tmp_path / "ckpt"
@@ -523,6 +525,7 @@ def _dtensor_round_trips(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_dtensor_state_saves_and_resumes_across_sharding(tmp_path):
     results = run_distributed(_dtensor_round_trips, 2, str(tmp_path), timeout=90)
@@ -581,6 +584,7 @@ def _resume_last(rank: int, world: int, root: str) -> dict:
     return {"step": start.step, "params": start.params}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it(tmp_path):
     with pytest.raises(AssertionError, match="exited with code 17|exited \\(code 17\\)"):
