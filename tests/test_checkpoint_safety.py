@@ -119,6 +119,7 @@ def _crashing_save(rank: int, world: int, path: str, phase: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+@pytest.mark.distributed
 def test_a_crash_at_any_phase_of_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
     final = tmp_path / "last.ckpt"
     expected = {
@@ -187,6 +188,7 @@ _exchange = files._exchange
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.distributed
 def test_a_failing_save_raises_on_every_rank_and_keeps_the_old_checkpoint(tmp_path):
     final = tmp_path / "ckpt"
     results = run_distributed(_failing_saves, 2, str(final), timeout=60)
@@ -527,6 +529,7 @@ def _dtensor_round_trips(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
+@pytest.mark.distributed
 def test_dtensor_state_saves_and_resumes_across_sharding(tmp_path):
     results = run_distributed(_dtensor_round_trips, 2, str(tmp_path), timeout=90)
     assert results[0]["sharded -> sharded types"] == ["DTensor"]
