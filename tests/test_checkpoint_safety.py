@@ -601,3 +601,18 @@ def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it(tmp_path):
     assert restored.keys() == stored.keys() - {n for n in stored if not n.endswith(("weight", "bias"))}
     for name, value in restored.items():
         assert torch.equal(value, stored[name]), name
+
+
+def test_pretrained_weights_from_a_crafted_checkpoint_run_nothing(saved, tmp_path):
+    """``pretrained=`` reads DCP directories (ours included) through the same safe reader."""
+    from lightning_mmpp.pretrained import open_source
+
+    source = open_source("llm", saved)
+    dest = {"1.bias": torch.empty(3)}
+    source.read(dest)
+    assert torch.equal(dest["1.bias"], torch.full((3,), 5.0))
+    marker = tmp_path / "executed"
+    pickle.dump(_RunsShell(marker), open(saved / ".metadata", "wb"))
+    with pytest.raises(PipelineConfigError, match="cannot be read safely"):
+        open_source("llm", saved)
+    assert not marker.exists()
