@@ -106,7 +106,7 @@ class PretrainedSource:
                 for key, dest in wanted.items():
                     dest.copy_(state[self.stored_keys[key]])
             else:
-                import torch.distributed.checkpoint as dcp
+                from lightning_mmpp.checkpoint_files import dcp_load  # never unpickles objects
 
                 same = {self.stored_keys[k]: d for k, d in wanted.items() if d.dtype == self.specs[k].dtype}
                 cast = {k: d for k, d in wanted.items() if d.dtype != self.specs[k].dtype}
@@ -116,7 +116,7 @@ class PretrainedSource:
                 }
                 with warnings.catch_warnings():  # no_dist=True is the point: each rank reads on its own
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.load({**same, **staged}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+                    dcp_load({**same, **staged}, self.path, distributed=False)
                 for key, dest in cast.items():
                     dest.copy_(staged[self.stored_keys[key]])
 
@@ -150,10 +150,10 @@ def open_source(module: str, source: Union[PathLike, PretrainedWeights]) -> Pret
     torch_state = None
     full_names = False
     if path.is_dir():
-        import torch.distributed.checkpoint as dcp
+        from lightning_mmpp.checkpoint_files import read_dcp_metadata  # an allow-list unpickler
 
         try:
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+            metadata = read_dcp_metadata(path)
         except Exception as err:
             raise PipelineConfigError(
                 f"pretrained weights for module {module!r}: {str(path)!r} is a directory but not a "
