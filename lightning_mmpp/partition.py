@@ -116,19 +116,20 @@ def find_tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[TiedP
     """Parameters held by layers of more than one (module, stage), found by identity."""
     stage_of_layer: dict[tuple[str, str], int] = {}
     for module in layout.modules:
-        container = _layer_container(model, module)
-        names = list(container._modules)
         placement = layout.placements[module]
-        for stage, span in enumerate(stage_ranges([container._modules[n] for n in names], placement.pp,
-                                                  placement.split_points, module)):
+        names, layers = named_layers(_layer_container(model, module, placement.pp))
+        for stage, span in enumerate(stage_ranges(layers, placement.pp, placement.split_points, module)):
             for i in span:
                 stage_of_layer[(module, names[i])] = stage
     found: dict[int, TiedParameter] = {}
     for qualified, submodule in model.named_modules():
         parts = qualified.split(".")
-        if len(parts) < 2 or (parts[0], parts[1]) not in stage_of_layer:
+        if (parts[0], "") in stage_of_layer:  # a plain nn.Module placed as one layer
+            owner = (parts[0], 0)
+        elif len(parts) >= 2 and (parts[0], parts[1]) in stage_of_layer:
+            owner = (parts[0], stage_of_layer[(parts[0], parts[1])])
+        else:
             continue
-        owner = (parts[0], stage_of_layer[(parts[0], parts[1])])
         for attribute, param in submodule._parameters.items():
             if param is None:
                 continue

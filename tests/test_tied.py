@@ -108,6 +108,7 @@ CASES = {
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.distributed
 def test_tied_weights_train_like_one_process(case):
     topology, placements, meta, optimizer, clip = CASES[case]
     initial, final = _reference(topology, meta, optimizer, clip)
