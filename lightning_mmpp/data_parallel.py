@@ -79,9 +79,16 @@ class StageGradients:
 
     @classmethod
     def for_rank(
-        cls, layout: PipelineLayout, rank: int, runners: Mapping[str, StageRunner], groups: Mapping, world_size: int
+        cls,
+        layout: PipelineLayout,
+        rank: int,
+        runners: Mapping[str, StageRunner],
+        groups: Mapping,
+        world_size: int,
+        counted_elsewhere: Iterable[nn.Parameter] = (),
     ) -> "StageGradients":
-        """The stages ``rank`` holds, grouped by dp group; its replica-0 stages count in the norm."""
+        """The stages ``rank`` holds, grouped by dp group; its replica-0 stages count in the norm,
+        except ``counted_elsewhere`` (a tied parameter counts once, on one of its owners)."""
         by_group: dict[tuple[int, ...], list[nn.Parameter]] = {}
         counted: list[nn.Parameter] = []
         for module, runner in runners.items():
@@ -89,6 +96,8 @@ class StageGradients:
             slot = layout.slot(rank, module)
             if slot is not None and slot.replica == 0:
                 counted.extend(runner.parameters())
+        skip = {id(p) for p in counted_elsewhere}
+        counted = [p for p in dict.fromkeys(counted) if id(p) not in skip]
         return cls(by_group, counted, groups, world_size)
 
     @property
