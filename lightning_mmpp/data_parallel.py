@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_mmpp.partition import StageRunner
+from lightning_mmpp.placement import PipelineLayout
+
 __all__ = ["StageGradients", "sum_gradients"]
 
 
@@ -73,6 +76,29 @@ class StageGradients:
         self.counted = list(counted)
         self.groups = groups
         self.world_size = world_size
+
+    @classmethod
+    def for_rank(
+        cls,
+        layout: PipelineLayout,
+        rank: int,
+        runners: Mapping[str, StageRunner],
+        groups: Mapping,
+        world_size: int,
+        counted_elsewhere: Iterable[nn.Parameter] = (),
+    ) -> "StageGradients":
+        """The stages ``rank`` holds, grouped by dp group; its replica-0 stages count in the norm,
+        except ``counted_elsewhere`` (a tied parameter counts once, on one of its owners)."""
+        by_group: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        counted: list[nn.Parameter] = []
+        for module, runner in runners.items():
+            by_group.setdefault(layout.dp_group(module, runner.stage), []).extend(runner.parameters())
+            slot = layout.slot(rank, module)
+            if slot is not None and slot.replica == 0:
+                counted.extend(runner.parameters())
+        skip = {id(p) for p in counted_elsewhere}
+        counted = [p for p in dict.fromkeys(counted) if id(p) not in skip]
+        return cls(by_group, counted, groups, world_size)
 
     @property
     def parameters(self) -> list[nn.Parameter]:

@@ -24,7 +24,9 @@ list itself, whole, in every microbatch and shard.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,8 +35,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import PipelineLayout
 
 __all__ = [
+    "BatchSplitter",
     "Unsplit",
     "batch_size_of",
     "microbatch_count",
@@ -144,6 +148,39 @@ def unwrap_unsplit(batch: Any) -> Any:
     if not any(isinstance(leaf, Unsplit) for leaf in leaves):
         return batch
     return spec.unflatten([leaf.value if isinstance(leaf, Unsplit) else leaf for leaf in leaves])
+
+
+class BatchSplitter:
+    """Splits each global batch for one rank: microbatches, then this rank's dp shard of them.
+
+    Tracks, per kind of step (``"train"``, ``"eval"``, ``"predict"``), the largest batch seen: a
+    smaller one is a short last batch and runs with fewer microbatches
+    (:func:`microbatch_count`).
+    """
+
+    def __init__(self, layout: PipelineLayout, rank: int, num_microbatches: int) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.num_microbatches = num_microbatches
+        self.divisor = math.lcm(*(p.dp for p in layout.placements.values()))
+        self._largest: dict[str, int] = {}
+
+    def split(self, batch: Any, kind: str) -> tuple[int, Callable[[str, int], Any]]:
+        """``(m, shard)``: the microbatch count, and ``shard(module, k)``, the part of microbatch
+        ``k`` this rank's replica of ``module`` processes (what the pipeline hooks receive)."""
+        size = batch_size_of(batch)
+        largest = self._largest.get(kind, 0)
+        m = microbatch_count(size, self.num_microbatches, self.divisor, short=size < largest)
+        self._largest[kind] = max(largest, size)
+        micro = split_microbatches(batch, m)
+        per = size // m
+
+        def shard(module: str, k: int) -> Any:
+            slot = self.layout.slot(self.rank, module)
+            assert slot is not None, f"rank {self.rank} holds no stage of {module!r}"
+            return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
+
+        return m, shard
 
 
 def same_order_on_every_rank(dataloader: object) -> object:

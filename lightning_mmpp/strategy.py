@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -28,12 +29,11 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader
@@ -48,16 +48,10 @@ from lightning_mmpp.failures import FailureBoard, drop_transfer_references, rais
 from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
-from lightning_mmpp.microbatch import (
-    batch_size_of,
-    microbatch_count,
-    same_order_on_every_rank,
-    slice_batch,
-    split_microbatches,
-    unwrap_unsplit,
-)
+from lightning_mmpp.microbatch import BatchSplitter, batch_size_of, microbatch_count, same_order_on_every_rank
 from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.plugins import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, with_global_norm_clipping
 from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
@@ -74,65 +68,6 @@ _TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one
 # keeps only its rank's layers, so it can be reused by the strategy that partitioned it (fit,
 # then validate/test/predict) and by no other. Weak keys: the entry goes with the model.
 _PARTITIONED: "weakref.WeakKeyDictionary[Any, tuple[PipelineLayout, int, Partition]]" = weakref.WeakKeyDictionary()
-
-
-class _GlobalNormClipping:
-    """Placed before the run's precision class: clip by the norm of the whole pipeline's gradient.
-
-    Lightning clips through ``Precision.clip_gradients`` (called from the module's
-    ``configure_gradient_clipping``); the precision plugin's own norm would cover this rank's
-    stages only. The strategy runs a copy of the user's plugin whose class adds this override.
-    """
-
-    pipeline_strategy: "MultiModulePipelineStrategy"
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        self.pipeline_strategy.clip_grad_by_norm(float(clip_val))
-
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # the class is made at run time: pickle (spawn launcher) rebuilds it from the user's class
-        return _new_clipping_plugin, (type(self).__mro__[2],), dict(self.__dict__)
-
-
-_CLIPPING_CLASSES: dict[type, type] = {}
-
-
-def _new_clipping_plugin(cls: type) -> Any:
-    if cls not in _CLIPPING_CLASSES:
-        _CLIPPING_CLASSES[cls] = type(cls.__name__, (_GlobalNormClipping, cls), {"__module__": cls.__module__})
-    return object.__new__(_CLIPPING_CLASSES[cls])
-
-
-def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipelineStrategy") -> Precision:
-    """A copy of ``plugin`` (sharing its state, e.g. a scaler) that clips by the global norm."""
-    if isinstance(plugin, _GlobalNormClipping):
-        plugin.pipeline_strategy = strategy
-        return plugin
-    clone = _new_clipping_plugin(type(plugin))
-    clone.__dict__.update(plugin.__dict__)
-    clone.pipeline_strategy = strategy
-    return clone
-
-
-class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
-
-    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
-        super().__init__(*args)
-        self._pipeline_strategy = strategy
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._pipeline_strategy.check_before_launch(trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
-        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class MultiModulePipelineStrategy(ParallelStrategy):
@@ -219,9 +154,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._runtime: Optional[PipelineRuntime] = None
         self._schedules: dict[tuple[bool, int], Schedule] = {}
         self._no_grad_modules: frozenset[str] = frozenset()
-        # per kind of step (train / eval / predict): a batch smaller than one seen before is a
-        # short last batch
-        self._largest_batch: dict[str, int] = {}
+        self._batches: Optional[BatchSplitter] = None
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
@@ -292,12 +225,12 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     @property
     def precision_plugin(self) -> Precision:
         if self._precision_plugin is None:
-            self._precision_plugin = _with_global_norm_clipping(Precision(), self)
+            self._precision_plugin = with_global_norm_clipping(Precision(), self)
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        self._precision_plugin = None if precision_plugin is None else _with_global_norm_clipping(precision_plugin, self)
+        self._precision_plugin = None if precision_plugin is None else with_global_norm_clipping(precision_plugin, self)
 
     @property
     def root_device(self) -> torch.device:
@@ -333,10 +266,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
                                                         self.num_nodes)
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     def check_before_launch(self, trainer: Any, args: Sequence[Any]) -> None:
         """The configuration errors knowable before any worker starts, raised in the launching
@@ -406,7 +339,14 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._schedules = {}
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
-        self._gradients = self._stage_gradients()
+        # a parameter tied across ranks counts once in the global norm, on its first owner
+        counted_elsewhere = [t.local for t in self._partition.tied
+                             if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)]
+        self._gradients = StageGradients.for_rank(
+            self.layout, self.global_rank, self._partition.runners, self._dp_groups, self.world_size,
+            counted_elsewhere=counted_elsewhere,
+        )
+        self._batches = BatchSplitter(self.layout, self.global_rank, self.num_microbatches)  # type: ignore[arg-type]
         if self.world_size > 1 and not self._tie_groups:
             self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
@@ -465,6 +405,12 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 if wanted and not is_overridden(name, model):
                     setattr(model, name, types.MethodType(_run_by_strategy, model))
                     self._placeholder_steps.append((model, name))
+            if fn == TrainerFn.PREDICTING and is_overridden("predict_step", model):
+                rank_zero_warn(
+                    f"{type(model).__name__}.predict_step is not called under MultiModulePipelineStrategy: "
+                    "trainer.predict runs the pipeline forward and returns each batch's sink output "
+                    "(a dict by sink name with several sinks); post-process the returned predictions instead."
+                )
         super().connect(model)
 
     def _remove_placeholder_steps(self) -> None:
@@ -537,21 +483,6 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._build_own_stages(plan)
         _PARTITIONED[lm] = (self.layout, self.global_rank, self._partition)
 
-    def _stage_gradients(self) -> StageGradients:
-        """This rank's stage parameters by dp group; replica 0's count in the global norm."""
-        assert self._partition is not None
-        by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        counted: list[torch.nn.Parameter] = []
-        for module, runner in self._partition.runners.items():
-            by_group.setdefault(self.layout.dp_group(module, runner.stage), []).extend(runner.parameters())
-            slot = self.layout.slot(self.global_rank, module)
-            if slot is not None and slot.replica == 0:
-                counted.extend(runner.parameters())
-        # a parameter tied across ranks counts once in the global norm, on its first owner
-        elsewhere = {id(t.local) for t in self._partition.tied
-                     if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)}
-        counted = [p for p in dict.fromkeys(counted) if id(p) not in elsewhere]
-        return StageGradients(by_group, counted, self._dp_groups, self.world_size)
 
     # --- construction: meta build, materialisation, pretrained weights ------------------------
 
@@ -601,22 +532,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         return self._schedules[key]
 
     def _run_pipeline(self, batch: Any, forward_only: bool, predict: bool = False) -> StepResult:
-        assert self._runtime is not None and self._comm is not None
-        size = batch_size_of(batch)
+        assert self._runtime is not None and self._comm is not None and self._batches is not None
         kind = "predict" if predict else "eval" if forward_only else "train"
-        largest = self._largest_batch.get(kind, 0)
-        divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
-        m = microbatch_count(size, self.num_microbatches, divisor, short=size < largest)
-        self._largest_batch[kind] = max(largest, size)
-        micro = split_microbatches(batch, m)
-        per = size // m
-        rank = self.global_rank
-
-        def shard(module: str, k: int) -> Any:
-            slot = self.layout.slot(rank, module)
-            assert slot is not None
-            return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
-
+        m, shard = self._batches.split(batch, kind)
         trainer = self.lightning_module.trainer
         self._failures.begin(trainer.global_step, trainer.state.stage.value if trainer.state.stage else kind)
         self._in_pipeline_step = True
@@ -751,7 +669,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         """Clip by the global gradient norm over every module and rank, dp replicas counted once.
 
         Lightning's gradient clipping (``gradient_clip_val``, ``configure_gradient_clipping``)
-        arrives here through the precision plugin (see :class:`_GlobalNormClipping`).
+        arrives here through the precision plugin (see :mod:`lightning_mmpp.plugins`).
         """
         assert self._gradients is not None
         return self._gradients.clip_norm_(max_norm, self.root_device)
