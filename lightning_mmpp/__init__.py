@@ -11,7 +11,7 @@ simulator) import without torch.
 
 from typing import Any
 
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.topology import ModuleTopology
 
@@ -20,6 +20,7 @@ __all__ = [
     "ModuleTopology",
     "MultiModulePipelineStrategy",
     "PipelineConfigError",
+    "PipelineError",
     "PipelineLayout",
     "PretrainedWeights",
     "StageSlot",

@@ -144,24 +144,34 @@ def find_tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[TiedP
     return list(tied.values())
 
 
-def _layer_container(model: nn.Module, module: str) -> nn.Module:
+def _layer_container(model: nn.Module, module: str, pp: int) -> nn.Module:
     container = getattr(model, module, None)
-    if not isinstance(container, (nn.Sequential, nn.ModuleList)):
-        found = type(container).__name__ if container is not None else "nothing"
-        raise PipelineConfigError(
-            f"{type(model).__name__}.{module} is {found}; the placement {module!r} needs an attribute "
-            f"`self.{module}` that is an nn.Sequential or nn.ModuleList of the layers to split into stages."
-        )
-    return container
+    if isinstance(container, (nn.Sequential, nn.ModuleList)) or (isinstance(container, nn.Module) and pp == 1):
+        return container
+    found = type(container).__name__ if container is not None else "nothing"
+    raise PipelineConfigError(
+        f"{type(model).__name__}.{module} is {found}; the placement {module!r} needs an attribute "
+        f"`self.{module}` that is an nn.Sequential or nn.ModuleList of the layers to split into stages "
+        "(with pp=1 any nn.Module, run as one layer)."
+    )
+
+
+def named_layers(container: nn.Module) -> tuple[list[str], list[nn.Module]]:
+    """The layers of a module: the children of a Sequential/ModuleList, else the module itself."""
+    if isinstance(container, (nn.Sequential, nn.ModuleList)):
+        names = list(container._modules)
+        return names, [container._modules[n] for n in names]  # type: ignore[misc]
+    return [""], [container]
 
 
 def check_model(model: nn.Module, layout: PipelineLayout) -> None:
     """Raise if the model lacks a module's layers or has parameters outside every module."""
     inside: set[int] = set()
     for module in layout.modules:
-        container = _layer_container(model, module)
+        container = _layer_container(model, module, layout.placements[module].pp)
         inside.update(id(p) for p in container.parameters())
-        stage_ranges(list(container), layout.placements[module].pp, layout.placements[module].split_points, module)
+        stage_ranges(named_layers(container)[1], layout.placements[module].pp, layout.placements[module].split_points,
+                     module)
     outside = [name for name, p in model.named_parameters() if id(p) not in inside]
     if outside:
         raise PipelineConfigError(
@@ -173,7 +183,7 @@ def check_model(model: nn.Module, layout: PipelineLayout) -> None:
         if not callable(getattr(model, hook, None)):
             raise PipelineConfigError(
                 f"{type(model).__name__} has no `{hook}` method; the pipeline needs "
-                "`pipeline_inputs(self, module, batch, upstream)` and `pipeline_loss(self, output, batch)`."
+                "`pipeline_inputs(self, module, batch, upstream)` and `pipeline_loss(self, module, output, batch)`."
             )
 
 
@@ -185,18 +195,21 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
     owned: set[int] = set()
     frozen: set[str] = set()
     for module in layout.modules:
-        container = _layer_container(model, module)
-        names = list(container._modules)
-        layers = [container._modules[n] for n in names]
         placement = layout.placements[module]
+        container = _layer_container(model, module, placement.pp)
+        names, layers = named_layers(container)
         if not any(p.requires_grad for p in container.parameters()):
             frozen.add(module)
         ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
         slot = layout.slot(rank, module)
         keep = ranges[slot.stage] if slot is not None else range(0)
-        for i, name in enumerate(names):
-            if i not in keep:
-                del container._modules[name]
+        if names == [""]:  # a plain module is one layer: a rank that does not hold it keeps none of it
+            if not keep:
+                model._modules[module] = nn.Sequential()
+        else:
+            for i, name in enumerate(names):
+                if i not in keep:
+                    del container._modules[name]
         if slot is not None:
             runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep])
             runners[module] = runner

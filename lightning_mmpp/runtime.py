@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
+from lightning_mmpp.failures import FailureBoard
 from lightning_mmpp.hooks import pipeline_loss_caller
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
@@ -73,6 +74,8 @@ class StepResult:
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
     # per-token form: this rank's unscaled sums ("loss_sum", "num_tokens", other "<name>_sum")
     token_sums: dict[str, Tensor] = field(default_factory=dict)
+    # (sink module, microbatch) -> the unscaled loss (detached), to name a non-finite one
+    sink_losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)
     sink_outputs: dict[int, Any] = field(default_factory=dict)
     # microbatches held between a forward and its last backward piece (B, or W), at their peak
     peak_stashed: int = 0
@@ -274,8 +277,10 @@ class PipelineRuntime:
         hooks: PipelineHooks,
         tracer: Tracer | None = None,
         no_backward_modules: frozenset[str] = frozenset(),
+        failures: FailureBoard | None = None,
     ) -> None:
         self.no_backward_modules = frozenset(no_backward_modules)
+        self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
         self.tracer = tracer if tracer is not None else NULL_TRACER
         self.layout = layout
         self.rank = rank
@@ -309,10 +314,18 @@ class PipelineRuntime:
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
         )
         for action in actions:
-            if isinstance(action, Exchange):
-                self._exchange(step, action)
-            else:
-                self._compute(step, action)
+            try:
+                if isinstance(action, Exchange):
+                    self._exchange(step, action)
+                else:
+                    self._compute(step, action)
+            except PipelineError:
+                raise
+            except Exception as err:  # this rank's own failure: the root cause its peers will name
+                transfers = action.sends + action.recvs if isinstance(action, Exchange) else ()
+                k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
+                self.failures.publish_exception(err, k)
+                raise
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 
@@ -335,12 +348,10 @@ class PipelineRuntime:
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 got = self.comm.exchange(sends, recv_keys)
-            except RuntimeError as err:
-                peers = sorted({t.peer for t in action.sends + action.recvs})
-                raise RuntimeError(
-                    f"rank {self.rank}: a transfer with rank(s) {peers} failed during the pipeline step. If a peer "
-                    f"raised an error, its message (on that rank) is the cause. Transport error: {err}"
-                ) from err
+            except RuntimeError as err:  # a peer failed, died or timed out: name the root cause
+                transfers = action.sends + action.recvs
+                peers = {t.peer for t in transfers}
+                raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
         for key, payload in got.items():
             if key.direction is Direction.FORWARD:
                 step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
@@ -370,6 +381,7 @@ class PipelineRuntime:
                         f"(this model has {sorted(self.layout.topology.sinks)}); return a mean loss per microbatch instead."
                     )
                 loss, sums, metrics = _token_loss_and_metrics(returned, module)
+                step.result.sink_losses[(module, k)] = loss.detach()
                 if step.training:
                     step.losses[(module, k)] = loss  # unscaled: gradients are divided by the global count
                 for name, value in sums.items():
@@ -377,6 +389,7 @@ class PipelineRuntime:
                 self._accumulate(step.result, module, None, metrics, scale)
             else:
                 loss, metrics = _loss_and_metrics(returned, module)
+                step.result.sink_losses[(module, k)] = loss.detach()
                 if step.training:
                     step.losses[(module, k)] = loss * scale
                 self._accumulate(step.result, module, loss, metrics, scale)

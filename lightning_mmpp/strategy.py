@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import sys
 import time
 import types
 import warnings
@@ -24,16 +26,17 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
 
 from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
@@ -41,6 +44,8 @@ from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.initialization import has_meta_tensors
+from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
+from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
 from lightning_mmpp.microbatch import (
@@ -51,12 +56,13 @@ from lightning_mmpp.microbatch import (
     split_microbatches,
     unwrap_unsplit,
 )
-from lightning_mmpp.payload import concat_payloads
-from lightning_mmpp.partition import Partition, partition_model
+from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.summary import pipeline_summary
 from lightning_mmpp.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
@@ -109,6 +115,26 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     return clone
 
 
+class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
+
+    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
+        super().__init__(*args)
+        self._pipeline_strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._pipeline_strategy.check_before_launch(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class MultiModulePipelineStrategy(ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
@@ -140,6 +166,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
     meta device; each rank allocates and initialises only the stages it holds
     (:func:`~lightning_mmpp.materialize`, seeded by the run's seed), so no rank holds the whole model.
+        preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
+            SLURM's requeue signal): every rank stops at the next step boundary, saves it there
+            and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.preemption`).
     """
 
     strategy_name = "multimodule_pipeline"
@@ -162,6 +191,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
         pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
+        preemption_checkpoint: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -195,6 +225,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
+        self._predictions: Optional[SinkOutputGatherer] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
@@ -207,6 +238,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             )
         self._pretrained_keys_read: dict[str, list[str]] = {}
         self._tie_groups: dict[tuple[int, ...], Any] = {}  # owner ranks of parameters tied across ranks
+        self._failures = FailureBoard(self._layout, 0, 1)
+        self.preemption_checkpoint = preemption_checkpoint
+        self._preemption: Optional[PreemptionHandler] = None
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -299,9 +333,30 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                        self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_before_launch(self, trainer: Any, args: Sequence[Any]) -> None:
+        """The configuration errors knowable before any worker starts, raised in the launching
+        process (and, under torchrun / SLURM, on every rank before any collective), with the
+        messages the workers would give: the model's wiring, the world size, the model's layer
+        containers and hooks (unless it builds them in ``configure_model``), and a fixed
+        training ``DataLoader`` batch size against ``num_microbatches`` x lcm(dp sizes).
+        """
+        model = args[0] if args and isinstance(args[0], LightningModule) else None
+        if model is not None:
+            self._resolve_topology(model)
+        if self._layout is None:
+            return  # the wiring comes from a model given through a datamodule: checked in the workers
+        self.layout.check_world_size(self.num_nodes * self.num_processes)
+        if model is not None and model not in _PARTITIONED and not is_overridden("configure_model", model):
+            check_model(model, self.layout)
+        loader = args[1] if len(args) > 1 and trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        if isinstance(loader, DataLoader) and loader.batch_size is not None:
+            divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+            microbatch_count(loader.batch_size, self.num_microbatches, divisor)  # type: ignore[arg-type]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -330,7 +385,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_fit_configuration(trainer)
-            self.setup_optimizers(trainer)
+            self._setup_one_optimizer(trainer)
+            self._replace_model_summary(trainer)
         self._partition_model()
         if fitting:
             self._filter_optimizers()
@@ -354,11 +410,34 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self.world_size > 1 and not self._tie_groups:
             self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
+        self._predictions = SinkOutputGatherer(self.layout, self.global_rank, self.root_device, self.world_size)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
+        self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
+        self._failures.attach()
+        self._install_preemption(trainer)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
-            no_backward_modules=self._no_grad_modules,
+            no_backward_modules=self._no_grad_modules, failures=self._failures,
         )
+
+    def _install_preemption(self, trainer: Any) -> None:
+        board = self._failures
+
+        def on_stuck(signum: int, waited_s: float) -> None:  # watcher thread: leave a root cause
+            report = board.report("preempted", message=(
+                f"received {signal.Signals(signum).name} and left mid-step (no step boundary within {waited_s:.0f} s)"))
+            print(f"{report.describe()}; exiting with status {128 + signum}", file=sys.stderr, flush=True)
+            board.publish(report)
+
+        if self._preemption is None:
+            self._preemption = PreemptionHandler(preemption_signals(trainer), on_stuck)
+        self._preemption.install(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Step boundary: stop every rank together if any was sent a preemption signal."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._preemption is not None:
+            stop_at_boundary(self._preemption, self, self.preemption_checkpoint, self._failures)
 
     def connect(self, model: Any) -> None:
         """Attach the model; give it placeholder step methods for this Trainer call.
@@ -410,6 +489,35 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             raise PipelineConfigError(
                 "precision='16-mixed' with a gradient scaler is not supported by the pipeline; use "
                 "precision='bf16-mixed' or '32-true'."
+            )
+
+    def _setup_one_optimizer(self, trainer: Any) -> None:
+        """Lightning's ``setup_optimizers``, with advice that works under the strategy for several optimizers."""
+        try:
+            self.setup_optimizers(trainer)
+        except RuntimeError as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            raise PipelineConfigError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers returned several optimizers; "
+                "MultiModulePipelineStrategy steps one optimizer (manual optimization is not supported). Put the "
+                "parameters in one optimizer with a parameter group per part, each with its own hyper-parameters, "
+                "e.g. torch.optim.AdamW([{'params': self.vision.parameters(), 'lr': 1e-4}, "
+                "{'params': self.llm.parameters(), 'lr': 3e-4}]); LR schedulers scale each group."
+            ) from None
+
+    def _replace_model_summary(self, trainer: Any) -> None:
+        """Print the pipeline summary once (rank 0) instead of Lightning's model summary, which
+        would describe only rank 0's stages once the model is partitioned."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+            return
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        if self.lightning_module not in _PARTITIONED:  # a re-fit of a partitioned model was summarised before
+            rank_zero_info(
+                f"Pipeline: schedule {self.schedule_name!r}, {self.num_microbatches} microbatches, "
+                f"{self.layout.world_size} ranks\n{pipeline_summary(self.lightning_module, self.layout)}"
             )
 
     def _partition_model(self) -> None:
@@ -509,6 +617,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             assert slot is not None
             return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
 
+        trainer = self.lightning_module.trainer
+        self._failures.begin(trainer.global_step, trainer.state.stage.value if trainer.state.stage else kind)
         self._in_pipeline_step = True
         result = self._runtime.run(
             self.schedule(forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
@@ -547,6 +657,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 sum_tied_gradients(self.layout, self._partition.tied, self._tie_groups, self.global_rank)
         with self._tracer.span("metrics_allreduce", "metrics"):
             metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
+        raise_if_loss_not_finite(self._failures, {**metrics, **token_metrics}["loss"], result.sink_losses)
         if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
             self._divide_gradients(tokens)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
@@ -633,29 +744,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         with self.precision_plugin.predict_step_context():
             result = self._run_pipeline(batch, forward_only=True, predict=True)
-        return self._gather_sink_outputs(result.sink_outputs)
-
-    def _gather_sink_outputs(self, local: Mapping[int, Mapping[str, Any]]) -> Any:
-        mine = {}
-        for k, per_sink in local.items():
-            for sink, out in per_sink.items():
-                replica = self.layout.slot(self.global_rank, sink).replica  # type: ignore[union-attr]
-                mine[(sink, replica, k)] = _to_cpu(out)
-        if self.world_size > 1:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        pieces: dict[tuple[str, int, int], Any] = {}
-        for part in parts:
-            pieces.update(part)
-        outputs = {}
-        for sink in self.layout.topology.sinks:
-            ordered = [
-                pieces[key] for key in sorted((key for key in pieces if key[0] == sink), key=lambda key: (key[2], key[1]))
-            ]
-            outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
-        return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
+        assert self._predictions is not None
+        return self._predictions.gather(result.sink_outputs)
 
     def clip_grad_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global gradient norm over every module and rank, dp replicas counted once.
@@ -741,7 +831,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
             self._tie_groups = {}
+            drop_transfer_references(exception, self._comm)
             dist.destroy_process_group()
+            self._failures.linger()  # rank 0 serves the store: let peers read the root cause first
         self._in_pipeline_step = False
 
     def _write_trace(self) -> None:
@@ -760,6 +852,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        self._failures.release()
+        if self._preemption is not None:
+            self._preemption.uninstall()
         self._tie_groups = {}
         lm = self.lightning_module
         if lm is not None and has_meta_tensors(lm):
@@ -789,10 +884,6 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
     """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
     return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
-
-
-def _to_cpu(payload: Any) -> Any:
-    return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
 
 
 def _run_by_strategy(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,12 +1,23 @@
-"""Run a function on N real processes (gloo on CPU) for distributed tests.
+"""Run a function on N real processes for distributed tests (gloo on CPU, or NCCL on CUDA).
 
-``run_distributed(fn, world_size, *args)`` forks ``world_size`` workers. Each worker sets the
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` workers. Each worker sets the
 torch.distributed / torchelastic environment variables (so Lightning's
-``TorchElasticEnvironment`` recognises it), optionally initialises a gloo process group,
+``TorchElasticEnvironment`` recognises it), optionally initialises a process group,
 runs ``fn(rank, world_size, *args)`` and sends the (picklable) return value or the formatted
 traceback back to the parent through a pipe. The parent enforces one overall deadline and
 kills every worker on the first failure or on timeout, so a deadlock fails in seconds instead
 of hanging the test session. Workers leave with ``os._exit`` so nothing lingers.
+
+Backend and device come from the environment, so the same tests run on both:
+
+* ``MMPP_TEST_DEVICE``: ``cpu`` (default) or ``cuda`` (one GPU per rank: rank r uses
+  ``cuda:r % device_count``);
+* ``MMPP_TEST_BACKEND``: defaults to ``gloo`` on CPU and ``nccl`` on CUDA;
+* ``MMPP_TEST_START_METHOD``: defaults to ``fork`` on CPU (cheap) and ``spawn`` on CUDA (a CUDA
+  context does not survive a fork; ``fn`` and its arguments must then pickle).
+
+Tests pass :func:`test_accelerator` to ``Trainer(accelerator=...)`` and mark CUDA-only tests
+with :data:`requires_cuda`.
 """
 
 from __future__ import annotations
@@ -26,11 +37,76 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = [
+    "TEST_BACKEND",
+    "TEST_DEVICE",
+    "TEST_START_METHOD",
+    "RankFailure",
+    "free_port",
+    "rank_device",
+    "require_ranks",
+    "requires_cuda",
+    "run_distributed",
+    "test_accelerator",
+]
+
+
+def _test_device() -> str:
+    device = os.environ.get("MMPP_TEST_DEVICE", "cpu").strip().lower()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"MMPP_TEST_DEVICE={device!r}: use 'cpu' or 'cuda'")
+    return device
+
+
+TEST_DEVICE: str = _test_device()
+TEST_BACKEND: str = os.environ.get("MMPP_TEST_BACKEND", "nccl" if TEST_DEVICE == "cuda" else "gloo")
+TEST_START_METHOD: str = os.environ.get("MMPP_TEST_START_METHOD", "spawn" if TEST_DEVICE == "cuda" else "fork")
+
+
+def test_accelerator() -> str:
+    """The ``Trainer(accelerator=...)`` value for the configured test device."""
+    return "gpu" if TEST_DEVICE == "cuda" else "cpu"
+
+
+test_accelerator.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of ``rank`` under the configured test device (one GPU per rank on CUDA)."""
+    if TEST_DEVICE == "cuda":
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def _cuda_usable() -> bool:
+    return TEST_DEVICE == "cuda" and torch.cuda.is_available()
+
+
+def require_ranks(world_size: int) -> None:
+    """Skip the calling test when the configured device cannot host ``world_size`` ranks
+    (on CUDA: one GPU per rank)."""
+    if TEST_DEVICE == "cuda" and world_size > torch.cuda.device_count():
+        import pytest
+
+        pytest.skip(f"needs {world_size} GPUs (one per rank); {torch.cuda.device_count()} visible")
+
+
+try:
+    import pytest
+
+    requires_cuda = pytest.mark.skipif(
+        not _cuda_usable(), reason="needs CUDA: run with MMPP_TEST_DEVICE=cuda on a GPU machine"
+    )
+except ImportError:  # used outside pytest (benchmarks, scripts)
+    requires_cuda = None
 
 # Seconds the parent keeps collecting reports after the first failure, so that the
 # tracebacks of ranks that fail as a consequence (or independently) are shown too.
 _FAILURE_GRACE_S = 2.0
+
+
+class RankFailure(str):
+    """What :func:`run_distributed` returns (with ``allow_failures``) for a rank that raised or died."""
 
 
 def free_port() -> int:
@@ -69,9 +145,11 @@ def _worker(
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, whatever the hostname says
         torch.set_num_threads(1)
+        if TEST_DEVICE == "cuda":
+            torch.cuda.set_device(rank_device(rank))
         if init_pg:
             dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+                TEST_BACKEND, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
         status, payload = "ok", fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -106,8 +184,11 @@ def run_distributed(
     *args: Any,
     timeout: float = 60.0,
     init_pg: bool = True,
+    allow_failures: bool = False,
+    failure_grace: float = _FAILURE_GRACE_S,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (see the module docstring
+    for the backend, device and start method).
 
     Args:
         fn: the per-rank function; its return value must pickle.
@@ -115,8 +196,11 @@ def run_distributed(
         *args: extra arguments passed to ``fn`` on every rank.
         timeout: overall deadline in seconds for all ranks together; also the gloo
             process-group timeout.
-        init_pg: initialise a gloo process group before calling ``fn``. Pass ``False`` when
+        init_pg: initialise a process group (``TEST_BACKEND``) before calling ``fn``. Pass ``False`` when
             ``fn`` lets a Lightning ``Trainer`` initialise it (the environment is set up).
+        allow_failures: return a :class:`RankFailure` (the traceback or exit reason) in place
+            of the result of a rank that raised or died, instead of raising.
+        failure_grace: seconds the other ranks get to report after the first failure.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -130,7 +214,9 @@ def run_distributed(
     unmarked = os.environ.get("MMPP_TEST_UNMARKED")
     if unmarked:
         raise AssertionError(f"{unmarked} launches processes: mark it @pytest.mark.distributed")
-    ctx = multiprocessing.get_context("fork")
+    if TEST_DEVICE == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} visible")
+    ctx = multiprocessing.get_context(TEST_START_METHOD)
     port = free_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: dict[multiprocessing.connection.Connection, int] = {}
@@ -193,7 +279,7 @@ def run_distributed(
                         code = procs[rank].exitcode
                         failures[rank] = f"process exited with code {code} without reporting a result"
             if failures and time.monotonic() < deadline:
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                deadline = min(deadline, time.monotonic() + failure_grace)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -203,6 +289,8 @@ def run_distributed(
         for conn in conns:
             conn.close()
 
+    if allow_failures:
+        return [results[rank] if rank in results else RankFailure(failures[rank]) for rank in range(world_size)]
     if failures:
         report = "\n".join(
             f"----- rank {rank} -----\n{failures[rank]}" for rank in sorted(failures)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
-from tests.dist import run_distributed
+from tests.dist import require_ranks, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 
 pytestmark = pytest.mark.distributed  # every test here launches processes
@@ -42,7 +42,7 @@ LAYOUTS = {
 
 def _trainer_kwargs(devices: int, steps: int) -> dict:
     return dict(
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+        accelerator=test_accelerator(), devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
 
@@ -85,6 +85,7 @@ def _check(per_rank, reference):
 def test_pipeline_matches_single_process(layout):
     topology, placements, m, batch_size = LAYOUTS[layout]
     world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
+    require_ranks(world)
     reference = _reference(topology, batch_size, "sgd", None)
     per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "sgd", None,
                                timeout=180, init_pg=False)
@@ -97,6 +98,7 @@ def test_pipeline_matches_single_process_with_gradient_clipping(layout):
     """Clipping by the global norm over every module and rank, dp replicas counted once."""
     topology, placements, m, batch_size = LAYOUTS[layout]
     world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
+    require_ranks(world)
     reference = _reference(topology, batch_size, "adam", 0.05)
     per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "adam", 0.05,
                                timeout=180, init_pg=False)
