@@ -32,7 +32,11 @@ Writers: the rank holding data-parallel replica 0 of a module's stage writes tha
 and optimizer entries; entries outside every module (top-level buffers) are written by rank 0;
 DTensor entries (sharded modules) are handed to DCP by every rank, which writes each shard once.
 Every tensor is stored exactly once, whatever the dp sizes. Names come from torch's
-``get_model_state_dict`` / ``get_optimizer_state_dict`` (canonical parameter names).
+``get_model_state_dict`` / ``get_optimizer_state_dict`` (canonical parameter names). A tied
+parameter (``head.weight = embed.weight``, one copy per owning stage) is stored once, model
+entry and optimizer state, under its canonical name: the first in the unpartitioned model's
+``named_parameters()`` order; its other names are listed in ``meta.pt`` (``"aliases"``) and
+resolve to it on loading and exporting.
 
 ``meta.pt`` holds Lightning's checkpoint dict without ``state_dict`` (loops, callbacks, epoch,
 global step, hyper-parameters, LR schedulers, precision plugin state, whatever
@@ -42,8 +46,10 @@ each group's hyper-parameters and the names of all its parameters (over all rank
 of the model's parameters (``named_parameters()`` of the unpartitioned model, which is the
 order ``self.parameters()`` gives a single-process optimizer); the per-parameter state is in
 DCP. It also holds ``"mmpp"``: ``{"format": 2, "world_size": N, "placements": ...,
-"topology": ..., "state_dict_keys": [...], "reordered_groups": [[i, g], ...]}``, the last
-listing groups whose parameters some rank's optimizer holds in another order than the model's.
+"topology": ..., "state_dict_keys": [...], "reordered_groups": [[i, g], ...],
+"aliases": {name: canonical name}}``; ``reordered_groups`` lists groups whose parameters some
+rank's optimizer holds in another order than the model's; optimizer groups list a tied
+parameter once, by its canonical name.
 
 ``rng_rank<r>.pt``: ``{"torch": ByteTensor, "python": ..., "numpy": ..., "cuda": ...}`` of rank
 r, restored on rank r when fitting resumes (a rank beyond the saved world size keeps its seed).
@@ -261,6 +267,27 @@ def _order_keys(model: nn.Module, layout: PipelineLayout, rank: int, names: Sequ
     return keys
 
 
+def parameter_aliases(model: nn.Module, ties: Sequence[Any] = ()) -> dict[str, str]:
+    """``{name: canonical name}`` for every parameter this rank knows under more than one name.
+
+    A tied parameter (``head.weight = embed.weight``) is one tensor with several names; its
+    canonical name is the first in the unpartitioned model's ``named_parameters()`` order, the
+    name a single-process optimizer and ``state_dict`` loading know it by. ``ties`` are the ties
+    across stages found before partitioning (``Partition.tied``: ``.names`` in that order);
+    ties inside this rank's layers are found by identity.
+    """
+    aliases: dict[str, str] = {}
+    for tie in ties:
+        for name in tie.names[1:]:
+            aliases[name] = tie.names[0]
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases.setdefault(name, aliases.get(canonical, canonical))
+    return aliases
+
+
 # --- saving --------------------------------------------------------------------------------------
 
 
@@ -343,16 +370,18 @@ def _meta(
     """Rank 0's ``meta.pt`` contents (see the module docstring)."""
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     order = {name: key for report in gathered for name, key in report["order"].items()}
+    aliases = {alias: name for report in gathered for alias, name in report["aliases"].items()}
     reordered: list[list[int]] = []
     if checkpoint.get("optimizer_states") is not None:
         states = []
         for i, opt_state in enumerate(checkpoint["optimizer_states"]):
             groups = []
             for g, group in enumerate(opt_state["param_groups"]):
-                names = list(dict.fromkeys(n for report in gathered for n in report["groups"][i][g]))
+                # a tied parameter is one entry, under its canonical name (as in one process)
+                names = list(dict.fromkeys(aliases.get(n, n) for report in gathered for n in report["groups"][i][g]))
                 names.sort(key=lambda n: order.get(n, (len(order),)))
                 for report in gathered:
-                    local = report["groups"][i][g]
+                    local = list(dict.fromkeys(aliases.get(n, n) for n in report["groups"][i][g]))
                     if local != [n for n in names if n in set(local)]:
                         reordered.append([i, g])
                         break
@@ -370,6 +399,7 @@ def _meta(
         "topology": {m: list(layout.topology.downstream(m)) for m in layout.modules},
         "state_dict_keys": _merge_in_order([report["order"] for report in gathered]),
         "reordered_groups": reordered,
+        "aliases": aliases,
     }
     return meta
 
@@ -382,11 +412,13 @@ def save_checkpoint(
     layout: PipelineLayout,
     rank: int,
     device: torch.device,
+    ties: Sequence[Any] = (),
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as a checkpoint directory at ``filepath``, crash-safely.
 
     Every rank must call this with its own ``checkpoint`` (``state_dict`` from
     :func:`model_state_dict`, ``optimizer_states`` from :func:`optimizer_state_by_name`).
+    ``ties``: parameters tied across stages (see :func:`parameter_aliases`), stored once.
     A failure on any rank raises on every rank and leaves what was at ``filepath`` untouched.
     """
     final = _local_path(_broadcast(os.fspath(filepath)))  # one path for all ranks
@@ -404,7 +436,7 @@ def save_checkpoint(
         raise OSError(problem)
     assert staging is not None
     try:
-        _write_files(checkpoint, staging, final, model=model, layout=layout, rank=rank, device=device)
+        _write_files(checkpoint, staging, final, model=model, layout=layout, rank=rank, device=device, ties=ties)
     except BaseException:
         if rank == 0:
             remove_directory(staging)
@@ -420,15 +452,19 @@ def _write_files(
     layout: PipelineLayout,
     rank: int,
     device: torch.device,
+    ties: Sequence[Any],
 ) -> None:
     state_dict: Mapping[str, Any] = checkpoint.get("state_dict", {})
     optimizer_states: Optional[Sequence[Mapping[str, Any]]] = checkpoint.get("optimizer_states")
+    aliases = parameter_aliases(model, ties)  # other names of a tied parameter: stored once, canonically
     flat: dict[str, Any] = {}
     for name, value in state_dict.items():
-        if _is_dtensor(value) or _writes(layout, rank, name):
+        if name not in aliases and (_is_dtensor(value) or _writes(layout, rank, name)):
             flat[_model_key(name)] = value
     for i, opt_state in enumerate(optimizer_states or []):
         for name, per_param in opt_state["state"].items():
+            if name in aliases:
+                continue
             for key, value in per_param.items():
                 if _is_dtensor(value) or _writes(layout, rank, name):
                     flat[_optim_key(i, name, key)] = value
@@ -448,6 +484,7 @@ def _write_files(
         "error": _report(error),
         "records": records,
         "order": _order_keys(model, layout, rank, list(state_dict)),
+        "aliases": aliases,
         "groups": [[list(g["params"]) for g in s["param_groups"]] for s in optimizer_states or []],
     }
     # 2. every rank's files are complete and flushed
@@ -577,12 +614,19 @@ def _optim_index(metadata: Metadata) -> dict[tuple[int, str], list[tuple[str, st
     return index
 
 
-def _plan_model(path: Path, metadata: Metadata, local_state: Mapping[str, Any], strict: bool) -> list[str]:
-    """Check this rank's names and shapes against the checkpoint; the names to read."""
+def _stored_name(name: str, stored: Mapping[str, Any], aliases: Mapping[str, str], prefix: str = MODEL_PREFIX) -> str:
+    """The name ``name``'s tensor is stored under: itself, or the canonical name of a tied parameter."""
+    return name if prefix + name in stored else aliases.get(name, name)
+
+
+def _plan_model(
+    path: Path, metadata: Metadata, local_state: Mapping[str, Any], strict: bool, aliases: Mapping[str, str]
+) -> dict[str, str]:
+    """Check this rank's names and shapes against the checkpoint; ``{local name: stored name}`` to read."""
     stored = metadata.state_dict_metadata
-    names = []
+    names: dict[str, str] = {}
     for name, value in local_state.items():
-        md = stored.get(_model_key(name))
+        md = stored.get(_model_key(_stored_name(name, stored, aliases)))
         if md is None:
             if strict:
                 raise PipelineConfigError(
@@ -601,12 +645,16 @@ def _plan_model(path: Path, metadata: Metadata, local_state: Mapping[str, Any], 
                 f"checkpoint {str(path)!r} does not match the model: {name!r} has shape {tuple(md.size)} in the "
                 f"checkpoint but {tuple(value.shape)} in the model."
             )
-        names.append(name)
+        names[name] = _stored_name(name, stored, aliases)
     return names
 
 
 def _plan_optimizers(
-    path: Path, metadata: Metadata, saved: Sequence[Mapping[str, Any]], templates: Sequence[Mapping[str, Any]]
+    path: Path,
+    metadata: Metadata,
+    saved: Sequence[Mapping[str, Any]],
+    templates: Sequence[Mapping[str, Any]],
+    aliases: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     """Per optimizer: which stored entries to read for which of its parameters, and its groups."""
     if len(saved) != len(templates):
@@ -627,13 +675,16 @@ def _plan_optimizers(
         for g, (group, saved_group) in enumerate(zip(template["param_groups"], saved_groups)):
             members = set(saved_group["params"])
             for name in group["params"]:
-                if name not in members:
+                canonical = aliases.get(name, name)  # a tied parameter's copy: its canonical entry
+                if name not in members and canonical not in members:
                     raise PipelineConfigError(
                         f"checkpoint {str(path)!r}: parameter {name!r} is in group {g} of optimizer {i} but not "
                         "in that group in the checkpoint; resume with the same param groups."
                     )
-                if (i, name) in stored:
-                    entries[name] = stored[(i, name)]
+                for candidate in (name, canonical):
+                    if (i, candidate) in stored:
+                        entries[name] = stored[(i, candidate)]
+                        break
         plans.append({"entries": entries, "saved_groups": saved_groups})
     return plans
 
@@ -649,6 +700,7 @@ def load_checkpoint(
     fitting: bool,
     strict: bool = True,
     weights_only: Optional[bool] = None,
+    ties: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Read the parameters (and, when ``fitting``, optimizer state and RNG) this rank owns.
 
@@ -670,12 +722,15 @@ def load_checkpoint(
         manifest, metadata = _open_checkpoint(path)
         assert manifest is not None
         meta = _read_meta(path, manifest, weights_only=not unsafe)
-        plan["model"] = _plan_model(path, metadata, local_state, strict)
-        fqns = [_model_key(n) for n in plan["model"]]
+        aliases = {**meta["mmpp"].get("aliases", {}), **parameter_aliases(model, ties)}
+        plan["model"] = _plan_model(path, metadata, local_state, strict, aliases)
+        fqns = list(dict.fromkeys(_model_key(n) for n in plan["model"].values()))
         plan["optimizers"] = None
         if fitting and "optimizer_states" in meta:
             plan["templates"] = [_local_optimizer_template(model, opt) for opt in opts]
-            plan["optimizers"] = _plan_optimizers(path, metadata, meta["optimizer_states"], plan["templates"])
+            plan["optimizers"] = _plan_optimizers(
+                path, metadata, meta["optimizer_states"], plan["templates"], aliases
+            )
             fqns += [fqn for p in plan["optimizers"] for entries in p["entries"].values() for _, fqn in entries]
         holds = _files_holding(metadata, fqns)
         verify_files(path, manifest, list(holds), holds)
@@ -685,7 +740,8 @@ def load_checkpoint(
             plan["rng"] = safe_torch_load(path / _rng_file(rank), weights_only=True, what="RNG states", checkpoint=path)
     except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
         failure = exc
-    reports = _all_gather({"error": _report(failure), "keys": list(local_state)})
+    canonical = [plan["model"].get(k, k) for k in local_state] if failure is None else []
+    reports = _all_gather({"error": _report(failure), "keys": list(local_state) + canonical})
     _raise_first([r["error"] for r in reports], failure, rank)
     if strict:
         owned = {k for r in reports for k in r["keys"]}
@@ -702,7 +758,9 @@ def load_checkpoint(
 
     # 2. read this rank's entries (a collective), into the live tensors where they fit
     stored = metadata.state_dict_metadata
-    flat: dict[str, Any] = {_model_key(n): _template(stored[_model_key(n)], local_state[n]) for n in plan["model"]}
+    flat: dict[str, Any] = {}
+    for name, stored_name in plan["model"].items():
+        flat[_model_key(stored_name)] = _template(stored[_model_key(stored_name)], local_state[name])
     for i, opt_plan in enumerate(plan["optimizers"] or []):
         live = plan["templates"][i]["state"]
         for name, entries in opt_plan["entries"].items():
@@ -711,7 +769,7 @@ def load_checkpoint(
     dcp_load(flat, path, distributed=_distributed(), weights_only=not unsafe)
 
     checkpoint = dict(meta)
-    checkpoint["state_dict"] = {name: flat[_model_key(name)] for name in plan["model"]}
+    checkpoint["state_dict"] = {name: flat[_model_key(stored_name)] for name, stored_name in plan["model"].items()}
     if plan["optimizers"] is not None:
         checkpoint["optimizer_states"] = [
             {
@@ -843,7 +901,11 @@ def export_checkpoint(checkpoint_dir: PathLike, out_path: PathLike, *, weights_o
     order = list(dict.fromkeys(
         [*info.get("state_dict_keys", []), *(f[len(MODEL_PREFIX):] for f in flat if f.startswith(MODEL_PREFIX))]
     ))
-    checkpoint["state_dict"] = {name: flat[_model_key(name)] for name in order if _model_key(name) in flat}
+    aliases = info.get("aliases", {})
+    checkpoint["state_dict"] = {
+        name: flat[_model_key(_stored_name(name, flat, aliases))]
+        for name in order if _model_key(_stored_name(name, flat, aliases)) in flat
+    }
 
     if "optimizer_states" in meta:
         for i, g in info.get("reordered_groups", []):

@@ -695,7 +695,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             )
         _checkpoint.save_checkpoint(
             checkpoint, filepath, model=self.lightning_module, layout=self.layout, rank=self.global_rank,
-            device=self.root_device,
+            device=self.root_device, ties=self._checkpoint_ties(),
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -705,6 +705,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             checkpoint_path, model=lm, optimizers=self.optimizers, layout=self.layout, rank=self.global_rank,
             device=self.root_device, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
             strict=bool(getattr(lm, "strict_loading", True)), weights_only=weights_only,
+            ties=self._checkpoint_ties(),
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -717,6 +718,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         _checkpoint.remove_checkpoint(filepath, rank=self.global_rank)
+
+    def _checkpoint_ties(self) -> Sequence[Any]:
+        """Parameters tied across stages: a checkpoint stores each once, under its canonical name."""
+        return self._partition.tied if self._partition is not None else ()
 
     # --- collectives Lightning asks for ----------------------------------------------------
 

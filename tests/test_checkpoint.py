@@ -374,3 +374,65 @@ def test_export_to_one_file(root, run_a):
     assert export_checkpoint(run_a[0]["ckpt"], root / "again.ckpt") == root / "again.ckpt"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_checkpoint(root / "nowhere", root / "x.ckpt")
+
+
+# --- parameters tied across stages ---------------------------------------------------------------
+
+TIED_LAYOUT = {"enc_a": P(), "llm": P(pp=2)}  # the llm's embedding (stage 0) is its head (stage 1)
+
+
+def _tied_model():
+    from tests.test_tied import TiedModel
+
+    return TiedModel(TOPOLOGY, optimizer="adam", scheduler="step")
+
+
+def _single_process(epochs: int) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+
+
+def _save_tied(rank, world, root: str) -> str:
+    saver = ModelCheckpoint(dirpath=root, filename="tied")
+    _trainer(TIED_LAYOUT, 1, [saver]).fit(_tied_model(), _loader())
+    return saver.best_model_path
+
+
+def _resume_tied(rank, world, ckpt: str) -> dict:
+    model = _tied_model()
+    _trainer(LAYOUT_B, 2).fit(model, _loader(), ckpt_path=ckpt)  # the tie inside one rank now
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.timeout(180)
+def test_a_tied_parameter_is_stored_once_and_resumes_anywhere(tmp_path):
+    ckpt = Path(run_distributed(_save_tied, 3, str(tmp_path), timeout=120, init_pg=False)[0])
+    keys = set(torch.distributed.checkpoint.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    assert "model/llm.0.emb.weight" in keys and "model/llm.4.out.weight" not in keys
+    assert "optim/0/llm.0.emb.weight/exp_avg" in keys
+    assert not any(k.startswith("optim/0/llm.4.out.weight") for k in keys)
+    meta = torch.load(ckpt / "meta.pt", weights_only=True)
+    assert meta["mmpp"]["aliases"] == {"llm.4.out.weight": "llm.0.emb.weight"}
+    reference = _tied_model()
+    names = [n for n, _ in reference.named_parameters()]  # one entry for the tied parameter, as in one process
+    assert meta["optimizer_states"][0]["param_groups"][0]["params"] == names
+
+    _single_process(2).fit(reference, _loader())
+    expected = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+
+    # export -> single-process resume (index-keyed Adam state for the one tied parameter)
+    out = export_checkpoint(ckpt, tmp_path / "tied_export.ckpt")
+    exported = torch.load(out, weights_only=True)
+    assert torch.equal(exported["state_dict"]["llm.4.out.weight"], exported["state_dict"]["llm.0.emb.weight"])
+    model = _tied_model()
+    _single_process(2).fit(model, _loader(), ckpt_path=out)
+    assert model.llm[4].out.weight is model.llm[0].emb.weight
+    _assert_close({n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, expected,
+                  "single-process resume of the export")
+
+    # pipelined resume where one rank holds both ends of the tie
+    resumed = {n: v for r in run_distributed(_resume_tied, 2, str(ckpt), timeout=120, init_pg=False)
+               for n, v in r.items()}
+    _assert_close(resumed, expected, "resume on another placement")
