@@ -54,6 +54,7 @@ __all__ = [
     "MANIFEST_FILE",
     "FileRecord",
     "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "dcp_load",
     "file_record",
     "publish",
@@ -351,8 +352,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    """Reads non-tensor entries with ``torch.load(weights_only=...)`` instead of DCP's ``False``."""
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` (no flattening) that reads non-tensor entries with
+    ``torch.load(weights_only=...)`` instead of DCP's ``False``; pair it with :class:`SafeFileSystemReader`."""
 
     def __init__(self, weights_only: bool) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -370,7 +372,7 @@ def dcp_load(flat: dict[str, Any], checkpoint: Path, *, distributed: bool, weigh
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp.load(
-                flat, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=_LoadPlanner(weights_only),
+                flat, storage_reader=SafeFileSystemReader(str(checkpoint)), planner=SafeLoadPlanner(weights_only),
                 no_dist=not distributed,
             )
         except CheckpointException as exc:  # DCP gathers every rank's failures: all ranks see the same

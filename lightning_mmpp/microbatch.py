@@ -163,8 +163,22 @@ def same_order_on_every_rank(dataloader: object) -> object:
         and not dataloader.sampler.replacement
     ):
         from lightning.pytorch.utilities.data import _update_dataloader
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        global _WARNED_SAMPLER
+        if not _WARNED_SAMPLER:
+            _WARNED_SAMPLER = True
+            rank_zero_warn(
+                f"MultiModulePipelineStrategy replaced the DataLoader's unseeded RandomSampler by one seeded with "
+                f"{seed} (the seed_everything seed, else 0), reshuffled each epoch, so that every rank loads the same "
+                "batches; the order differs from a single-process run. For the single-process order give the "
+                "DataLoader a seeded generator, which is kept: DataLoader(..., shuffle=True, "
+                "generator=torch.Generator().manual_seed(seed))."
+            )
         sampler = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
         return _update_dataloader(dataloader, sampler)
     return dataloader
+
+
+_WARNED_SAMPLER = False  # the sampler replacement is stated once per process

@@ -10,7 +10,8 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -25,21 +26,24 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.module import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
 
 from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
+from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan_construction
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.initialization import has_meta_tensors
 from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
 from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
 from lightning_mmpp.loops import install_pipeline_optimization
@@ -52,15 +56,19 @@ from lightning_mmpp.microbatch import (
     split_microbatches,
     unwrap_unsplit,
 )
-from lightning_mmpp.payload import concat_payloads
-from lightning_mmpp.partition import Partition, partition_model
+from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.runtime import PipelineRuntime, StepResult
+from lightning_mmpp.predict import SinkOutputGatherer
+from lightning_mmpp.pretrained import PretrainedWeights
+from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.summary import pipeline_summary
+from lightning_mmpp.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
 log = logging.getLogger(__name__)
+_TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one metrics all-reduce
 
 # The models this process has partitioned, with (layout, rank, partition): a partitioned model
 # keeps only its rank's layers, so it can be reused by the strategy that partitioned it (fit,
@@ -107,6 +115,26 @@ def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipeline
     return clone
 
 
+class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
+
+    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
+        super().__init__(*args)
+        self._pipeline_strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._pipeline_strategy.check_before_launch(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class MultiModulePipelineStrategy(ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
@@ -130,6 +158,14 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         trace_dir: record a timeline of every forward, backward, communication wait, gradient
             reduction and optimizer step, and write Chrome trace-event JSON there at teardown
             (``trace_rank{r}.json`` per rank and a merged ``trace.json``). Off by default.
+        pretrained: ``{module: source}`` initial weights per module, loaded after partitioning
+            (each rank reads only its own stages' tensors): a ``.safetensors`` file, a torch
+            state-dict file, a torch.distributed.checkpoint directory, or
+            :class:`~lightning_mmpp.PretrainedWeights` to rename keys. See :mod:`lightning_mmpp.pretrained`.
+
+    Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
+    meta device; each rank allocates and initialises only the stages it holds
+    (:func:`~lightning_mmpp.materialize`, seeded by the run's seed), so no rank holds the whole model.
         preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
             SLURM's requeue signal): every rank stops at the next step boundary, saves it there
             and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.preemption`).
@@ -154,6 +190,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
+        pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
         preemption_checkpoint: Optional[str] = None,
     ) -> None:
         super().__init__(
@@ -188,9 +225,19 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
         self._metrics: Optional[MetricReducer] = None
+        self._predictions: Optional[SinkOutputGatherer] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
+        self.pretrained = dict(pretrained or {})
+        unknown = sorted(set(self.pretrained) - set(placements))
+        if unknown:
+            raise PipelineConfigError(
+                f"pretrained= names {unknown}, which are not placed modules {list(placements)}; key it by "
+                "placement name."
+            )
+        self._pretrained_keys_read: dict[str, list[str]] = {}
+        self._tie_groups: dict[tuple[int, ...], Any] = {}  # owner ranks of parameters tied across ranks
         self._failures = FailureBoard(self._layout, 0, 1)
         self.preemption_checkpoint = preemption_checkpoint
         self._preemption: Optional[PreemptionHandler] = None
@@ -286,9 +333,30 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes,
+                                                        self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def check_before_launch(self, trainer: Any, args: Sequence[Any]) -> None:
+        """The configuration errors knowable before any worker starts, raised in the launching
+        process (and, under torchrun / SLURM, on every rank before any collective), with the
+        messages the workers would give: the model's wiring, the world size, the model's layer
+        containers and hooks (unless it builds them in ``configure_model``), and a fixed
+        training ``DataLoader`` batch size against ``num_microbatches`` x lcm(dp sizes).
+        """
+        model = args[0] if args and isinstance(args[0], LightningModule) else None
+        if model is not None:
+            self._resolve_topology(model)
+        if self._layout is None:
+            return  # the wiring comes from a model given through a datamodule: checked in the workers
+        self.layout.check_world_size(self.num_nodes * self.num_processes)
+        if model is not None and model not in _PARTITIONED and not is_overridden("configure_model", model):
+            check_model(model, self.layout)
+        loader = args[1] if len(args) > 1 and trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
+        if isinstance(loader, DataLoader) and loader.batch_size is not None:
+            divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+            microbatch_count(loader.batch_size, self.num_microbatches, divisor)  # type: ignore[arg-type]
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -317,7 +385,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_fit_configuration(trainer)
-            self.setup_optimizers(trainer)
+            self._setup_one_optimizer(trainer)
+            self._replace_model_summary(trainer)
         self._partition_model()
         if fitting:
             self._filter_optimizers()
@@ -338,7 +407,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
         self._gradients = self._stage_gradients()
+        if self.world_size > 1 and not self._tie_groups:
+            self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
+        self._predictions = SinkOutputGatherer(self.layout, self.global_rank, self.root_device, self.world_size)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
         self._failures.attach()
@@ -419,6 +491,35 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 "precision='bf16-mixed' or '32-true'."
             )
 
+    def _setup_one_optimizer(self, trainer: Any) -> None:
+        """Lightning's ``setup_optimizers``, with advice that works under the strategy for several optimizers."""
+        try:
+            self.setup_optimizers(trainer)
+        except RuntimeError as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            raise PipelineConfigError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers returned several optimizers; "
+                "MultiModulePipelineStrategy steps one optimizer (manual optimization is not supported). Put the "
+                "parameters in one optimizer with a parameter group per part, each with its own hyper-parameters, "
+                "e.g. torch.optim.AdamW([{'params': self.vision.parameters(), 'lr': 1e-4}, "
+                "{'params': self.llm.parameters(), 'lr': 3e-4}]); LR schedulers scale each group."
+            ) from None
+
+    def _replace_model_summary(self, trainer: Any) -> None:
+        """Print the pipeline summary once (rank 0) instead of Lightning's model summary, which
+        would describe only rank 0's stages once the model is partitioned."""
+        from lightning.pytorch.callbacks import ModelSummary
+
+        if not any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+            return
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ModelSummary)]
+        if self.lightning_module not in _PARTITIONED:  # a re-fit of a partitioned model was summarised before
+            rank_zero_info(
+                f"Pipeline: schedule {self.schedule_name!r}, {self.num_microbatches} microbatches, "
+                f"{self.layout.world_size} ranks\n{pipeline_summary(self.lightning_module, self.layout)}"
+            )
+
     def _partition_model(self) -> None:
         lm = self.lightning_module
         cached = _PARTITIONED.get(lm)
@@ -430,7 +531,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 "this LightningModule was already partitioned by another MultiModulePipelineStrategy or rank; "
                 "build a fresh model for a new layout."
             )
+        self._unpartitioned_keys = list(lm.state_dict().keys())  # modules built in configure_model included
+        plan = plan_construction(lm, self.pretrained)  # every rank checks every key, before any collective
         self._partition = partition_model(lm, self.layout, self.global_rank)
+        self._build_own_stages(plan)
         _PARTITIONED[lm] = (self.layout, self.global_rank, self._partition)
 
     def _stage_gradients(self) -> StageGradients:
@@ -443,7 +547,33 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             slot = self.layout.slot(self.global_rank, module)
             if slot is not None and slot.replica == 0:
                 counted.extend(runner.parameters())
+        # a parameter tied across ranks counts once in the global norm, on its first owner
+        elsewhere = {id(t.local) for t in self._partition.tied
+                     if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)}
+        counted = [p for p in dict.fromkeys(counted) if id(p) not in elsewhere]
         return StageGradients(by_group, counted, self._dp_groups, self.world_size)
+
+    # --- construction: meta build, materialisation, pretrained weights ------------------------
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Build on the meta device (``configure_model()``, ``trainer.init_module()``) unless
+        ``empty_init=False``: each rank materialises only its own stages in ``setup``."""
+        device = torch.device("meta") if empty_init is not False else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def _init_seed(self) -> int:
+        """The materialisation seed: rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed)."""
+        seed = torch.initial_seed()
+        return int(self.broadcast(seed, 0)) if self.world_size > 1 else seed
+
+    def _build_own_stages(self, plan: ConstructionPlan) -> None:
+        seed = self._init_seed() if plan.on_meta else 0
+        assert self._partition is not None
+        self._pretrained_keys_read = build_own_stages(
+            self.lightning_module, plan, self.root_device, seed, self._partition.tied
+        )
 
     def _filter_optimizers(self) -> None:
         assert self._partition is not None
@@ -523,11 +653,41 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             result = self._run_pipeline(batch, forward_only=False)
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
+            if self._tie_groups:  # copies of a parameter tied across ranks get the summed gradient
+                sum_tied_gradients(self.layout, self._partition.tied, self._tie_groups, self.global_rank)
         with self._tracer.span("metrics_allreduce", "metrics"):
-            metrics = self.reduce_metrics(result.metric_sums, "train")
-        raise_if_loss_not_finite(self._failures, metrics["loss"], result.sink_losses)
+            metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
+        raise_if_loss_not_finite(self._failures, {**metrics, **token_metrics}["loss"], result.sink_losses)
+        if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
+            self._divide_gradients(tokens)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
-        return {"loss": metrics["loss"]}
+        self._log_metrics("train", token_metrics, tokens, on_step=True)
+        return {"loss": {**metrics, **token_metrics}["loss"]}
+
+    def _reduce_step_metrics(
+        self, result: StepResult, stage: str
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
+        """Reduce a step's metrics over the world: ``(metrics, per-token metrics, global token count)``.
+
+        Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
+        divided by the global token count of the step (``None`` when no sink used that form).
+        """
+        local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+        reduced = self.reduce_metrics(local, stage)
+        metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
+        sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
+        if not sums:
+            return metrics, {}, None
+        count = sums.pop(TOKEN_COUNT).clamp(min=1.0)
+        token_metrics = {"loss" if n == TOKEN_LOSS else n[: -len("_sum")]: v / count for n, v in sums.items()}
+        return metrics, token_metrics, int(count.item())
+
+    def _divide_gradients(self, count: int) -> None:
+        assert self._partition is not None
+        for runner in self._partition.runners.values():
+            for p in runner.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
 
     def synchronize_gradients(self) -> None:
         """Sum each module's gradients over its dp group (colocated modules share one reduction)."""
@@ -563,9 +723,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         context = self.precision_plugin.val_step_context if prefix == "val" else self.precision_plugin.test_step_context
         with context():
             result = self._run_pipeline(batch, forward_only=True)
-        metrics = self.reduce_metrics(result.metric_sums, prefix)
+        metrics, token_metrics, tokens = self._reduce_step_metrics(result, prefix)
         self._log_metrics(prefix, metrics, batch_size_of(batch), on_step=False)
-        return {f"{prefix}_{n}": v for n, v in metrics.items()}
+        # weighted by tokens, so the epoch value is sum(loss_sum) / sum(num_tokens)
+        self._log_metrics(prefix, token_metrics, tokens, on_step=False)
+        return {f"{prefix}_{n}": v for n, v in {**metrics, **token_metrics}.items()}
 
     def validation_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         return self._evaluation_step("val", args[0] if args else kwargs["batch"])
@@ -582,29 +744,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         with self.precision_plugin.predict_step_context():
             result = self._run_pipeline(batch, forward_only=True, predict=True)
-        return self._gather_sink_outputs(result.sink_outputs)
-
-    def _gather_sink_outputs(self, local: Mapping[int, Mapping[str, Any]]) -> Any:
-        mine = {}
-        for k, per_sink in local.items():
-            for sink, out in per_sink.items():
-                replica = self.layout.slot(self.global_rank, sink).replica  # type: ignore[union-attr]
-                mine[(sink, replica, k)] = _to_cpu(out)
-        if self.world_size > 1:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        pieces: dict[tuple[str, int, int], Any] = {}
-        for part in parts:
-            pieces.update(part)
-        outputs = {}
-        for sink in self.layout.topology.sinks:
-            ordered = [
-                pieces[key] for key in sorted((key for key in pieces if key[0] == sink), key=lambda key: (key[2], key[1]))
-            ]
-            outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
-        return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
+        assert self._predictions is not None
+        return self._predictions.gather(result.sink_outputs)
 
     def clip_grad_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global gradient norm over every module and rank, dp replicas counted once.
@@ -684,6 +825,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self._in_pipeline_step and self.world_size > 1 and _distributed_is_initialized():
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
+            self._tie_groups = {}
             drop_transfer_references(exception, self._comm)
             dist.destroy_process_group()
             self._failures.linger()  # rank 0 serves the store: let peers read the root cause first
@@ -701,13 +843,23 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._write_trace()
         self._remove_placeholder_steps()
-        for group in self._dp_groups.values():
+        for group in [*self._dp_groups.values(), *self._tie_groups.values()]:
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
         self._failures.release()
         if self._preemption is not None:
             self._preemption.uninstall()
+        self._tie_groups = {}
+        lm = self.lightning_module
+        if lm is not None and has_meta_tensors(lm):
+            # setup failed before this rank's stages were materialised: nothing to move to CPU
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = lm
+            return
         super().teardown()
 
     def __str__(self) -> str:
@@ -727,10 +879,6 @@ class MultiModulePipelineStrategy(ParallelStrategy):
 def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
     """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
     return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
-
-
-def _to_cpu(payload: Any) -> Any:
-    return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
 
 
 def _run_by_strategy(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -117,6 +117,7 @@ def _crashing_save(rank: int, world: int, path: str, phase: str) -> None:
     _save(layout, rank, 2, final)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
 def test_a_crash_at_any_phase_of_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
@@ -185,6 +186,7 @@ _rng_state = ckpt._rng_state
 _exchange = files._exchange
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.distributed
 def test_a_failing_save_raises_on_every_rank_and_keeps_the_old_checkpoint(tmp_path):
@@ -397,6 +399,15 @@ def test_unsafe_load_opens_trusted_objects(tmp_path, capsys):
     assert exported["user_ratio"] == Fraction(1, 3)
     assert torch.equal(exported["state_dict"]["llm.1.bias"], torch.ones(3))
 
+    # resuming: Trainer.fit(..., weights_only=False) reaches load_checkpoint the same way
+    def load(**kwargs):
+        return ckpt.load_checkpoint(path, model=model, optimizers=[], layout=layout, rank=0, device=CPU,
+                                    fitting=False, **kwargs)
+
+    with pytest.raises(PipelineConfigError, match="'meta.pt' .* weights_only=False"):
+        load()
+    assert load(weights_only=False)["user_ratio"] == Fraction(1, 3)
+
 
 def test_unsafe_load_help_says_what_it_allows(capsys):
     with pytest.raises(SystemExit):
@@ -516,6 +527,7 @@ def _dtensor_round_trips(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 @pytest.mark.distributed
 def test_dtensor_state_saves_and_resumes_across_sharding(tmp_path):
@@ -537,3 +549,70 @@ def test_remote_urls_are_refused_and_file_urls_are_local(saved):
     with pytest.raises(PipelineConfigError, match="remote URLs are not supported"):
         ckpt.read_checkpoint_tensors("s3://bucket/ckpt")
     assert set(ckpt.read_checkpoint_tensors(f"file://{saved}", ["enc.0.bias"])) == {"enc.0.bias"}
+
+
+# --- the user's view: a run killed while ModelCheckpoint rewrites last.ckpt ----------------------
+
+
+def _killed_while_rewriting_last(rank: int, world: int, root: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_checkpoint import LAYOUT_B, _loader, _model, _trainer
+
+    write_meta = ckpt._write_meta
+
+    def killed_at_step_2(meta, staging):
+        if meta["global_step"] == 2:
+            _die()  # after every rank's data files, before meta.pt: issue 16's data loss
+        write_meta(meta, staging)
+
+    if rank == 0:
+        ckpt._write_meta = killed_at_step_2
+    last = ModelCheckpoint(dirpath=root, save_top_k=0, save_last=True, every_n_train_steps=1)
+    _trainer(LAYOUT_B, 1, [last]).fit(_model(), _loader())
+
+
+def _resume_last(rank: int, world: int, root: str) -> dict:
+    import lightning as L
+
+    from tests.test_checkpoint import LAYOUT_B, _loader, _model, _trainer
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.step = trainer.global_step
+            self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    start = Start()
+    _trainer(LAYOUT_B, 1, [start]).fit(_model(), _loader(), ckpt_path=str(Path(root) / "last.ckpt"))
+    return {"step": start.step, "params": start.params}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it(tmp_path):
+    with pytest.raises(AssertionError, match="exited with code 17|exited \\(code 17\\)"):
+        run_distributed(_killed_while_rewriting_last, 2, str(tmp_path), timeout=90, init_pg=False)
+    last = tmp_path / "last.ckpt"
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 1  # the previous last.ckpt, intact
+    stored = ckpt.read_checkpoint_tensors(last)
+    results = run_distributed(_resume_last, 2, str(tmp_path), timeout=90, init_pg=False)
+    assert all(r["step"] == 1 for r in results)
+    restored = {n: v for r in results for n, v in r["params"].items()}
+    assert restored.keys() == stored.keys() - {n for n in stored if not n.endswith(("weight", "bias"))}
+    for name, value in restored.items():
+        assert torch.equal(value, stored[name]), name
+
+
+def test_pretrained_weights_from_a_crafted_checkpoint_run_nothing(saved, tmp_path):
+    """``pretrained=`` reads DCP directories (ours included) through the same safe reader."""
+    from lightning_mmpp.pretrained import open_source
+
+    source = open_source("llm", saved)
+    dest = {"1.bias": torch.empty(3)}
+    source.read(dest)
+    assert torch.equal(dest["1.bias"], torch.full((3,), 5.0))
+    marker = tmp_path / "executed"
+    pickle.dump(_RunsShell(marker), open(saved / ".metadata", "wb"))
+    with pytest.raises(PipelineConfigError, match="cannot be read safely"):
+        open_source("llm", saved)
+    assert not marker.exists()

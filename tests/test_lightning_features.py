@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_mmpp import ModulePlacement as P
-from lightning_mmpp import MultiModulePipelineStrategy
+from lightning_mmpp import MultiModulePipelineStrategy, run_unpipelined
 from tests.dist import run_distributed
 from tests.models import (
     AlignmentCheckingModel,
@@ -233,3 +233,45 @@ def test_frozen_module_in_the_middle_passes_gradients_through():
             torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=name)
             seen.add(name)
     assert seen == set(reference)
+
+
+TWO_SINKS = {"enc_a": ["llm", "aux"], "llm": [], "aux": []}
+
+
+class _PredictOnly(MultiModalModel):
+    """No forward and no predict_step: the strategy's pipelined predict is all there is."""
+
+    predict_step = L.LightningModule.predict_step
+
+
+def _predict_two_sinks(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("predictions must move as tensors, not pickled objects")
+
+    dist.all_gather_object = refuse  # forked worker: patched for this process only
+    dist.gather_object = refuse
+    strategy = MultiModulePipelineStrategy(
+        {"enc_a": P(), "llm": P(dp=2), "aux": P()}, num_microbatches=2
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, **QUIET)
+    return trainer.predict(_PredictOnly(TWO_SINKS), _val_loader())  # 8, 8 and a short batch of 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_predict_gathers_every_sink_over_replicas_with_tensor_collectives():
+    model = MultiModalModel(TWO_SINKS)
+    expected = []
+    with torch.no_grad():
+        for batch in _val_loader():
+            _, outputs = run_unpipelined(model, batch)
+            expected.append({"llm": outputs["llm"], "aux": outputs["aux"]})
+    per_rank = run_distributed(_predict_two_sinks, 4, timeout=100, init_pg=False)
+    for rank, predictions in enumerate(per_rank):
+        assert len(predictions) == len(expected) == 3
+        for ours, ref in zip(predictions, expected):
+            assert set(ours) == {"llm", "aux"}, rank
+            for sink in ours:
+                torch.testing.assert_close(ours[sink], ref[sink], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {sink}")

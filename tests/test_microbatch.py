@@ -100,3 +100,23 @@ def test_microbatch_count_messages():
     with pytest.raises(PipelineConfigError) as err:
         microbatch_count(12, 4, 2)
     assert "lcm of the dp sizes = 2" in str(err.value) and "multiple of 8" in str(err.value)
+
+
+def test_sampler_replacement_is_stated_once_and_a_seeded_generator_is_kept(monkeypatch):
+    import warnings
+
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    import lightning_mmpp.microbatch as microbatch
+
+    monkeypatch.setattr(microbatch, "_WARNED_SAMPLER", False)
+    data = list(range(12))
+    with pytest.warns(UserWarning, match=r"generator=torch.Generator\(\).manual_seed\(seed\)"):
+        replaced = microbatch.same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))
+    assert isinstance(replaced.sampler, DistributedSampler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        microbatch.same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))  # no second warning
+        seeded = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+        assert microbatch.same_order_on_every_rank(seeded) is seeded
+    assert isinstance(seeded.sampler, RandomSampler)

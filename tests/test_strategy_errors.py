@@ -41,7 +41,8 @@ class _NoLoss(MultiModalModel):
 class _NoContainer(MultiModalModel):
     def __init__(self) -> None:
         super().__init__(TOPOLOGY)
-        self.llm = nn.Linear(2, 2)  # not a Sequential / ModuleList
+        del self.llm
+        self.llm = [nn.Linear(2, 2)]  # a Python list, not an nn.Module
 
 
 class _StrayParameter(MultiModalModel):
@@ -59,6 +60,11 @@ class _Manual(MultiModalModel):
 class _VectorLoss(MultiModalModel):
     def pipeline_loss(self, output, batch):
         return output.sum(-1)
+
+
+class _TwoOptimizers(MultiModalModel):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.enc_a.parameters(), lr=0.1), torch.optim.SGD(self.llm.parameters(), lr=0.1)]
 
 
 class _WrongWiring(MultiModalModel):
@@ -85,6 +91,7 @@ def _fit_errors(rank: int, world: int) -> dict[str, str]:
         "vector_loss": (_VectorLoss(TOPOLOGY), {}, 8),
         "wiring_mismatch": (_WrongWiring(), {}, 8),
         "no_wiring": (_NoWiring(), {}, 8),
+        "two_optimizers": (_TwoOptimizers(TOPOLOGY), {}, 8),
     }
     if world > 1:
         cases = {k: cases[k] for k in ("batch", "no_container", "wiring_mismatch")}
@@ -107,10 +114,12 @@ EXPECTED = {
     "stray_parameter": "not inside any pipelined module",
     "manual": "manual optimization",
     "accumulate": "num_microbatches",
-    "batch": "multiple of 4",
+    "batch": "a batch of 6 samples cannot be split: it must split into num_microbatches=4 equal microbatches; use a "
+    "batch size that is a multiple of 4",
     "vector_loss": "reduce it to a scalar",
     "wiring_mismatch": "_WrongWiring.pipeline_topology {'enc_a': [], 'llm': ['enc_a']} and the strategy's topology= "
     "{'enc_a': ['llm'], 'llm': []} disagree",
+    "two_optimizers": "Put the parameters in one optimizer with a parameter group per part",
     "no_wiring": "declare `pipeline_topology = {module: [downstream modules]}` on _NoWiring or pass topology=",
 }
 
@@ -169,8 +178,21 @@ def test_error_on_one_rank_stops_its_peers():
     assert "failed during the pipeline step" in encoder, encoder
 
 
+class _PlainEncoder(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
 class _HooksOnly(MultiModalModel):
-    """Only the pipeline hooks and configure_optimizers: no step methods at all."""
+    """Only the pipeline hooks and configure_optimizers: no step methods at all; a plain nn.Module encoder."""
+
+    def __init__(self, topology) -> None:
+        super().__init__(topology)
+        self.enc_a = _PlainEncoder(self.enc_a)  # pp=1: any nn.Module is one layer
 
     training_step = L.LightningModule.training_step
     validation_step = L.LightningModule.validation_step
@@ -186,26 +208,40 @@ def _hooks_only(rank: int, world: int):
     def val():
         return DataLoader(SyntheticDataset(16, ["enc_a"]), batch_size=8)
 
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
     model = _HooksOnly(TOPOLOGY)
     # no topology=: the model's pipeline_topology is the wiring
     strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, num_microbatches=2)
-    trainer = L.Trainer(devices=world, strategy=strategy, **{**QUIET, "limit_val_batches": None, "max_steps": 2})
+    trainer = L.Trainer(devices=world, strategy=strategy,
+                        **{**QUIET, "limit_val_batches": None, "max_steps": 2, "enable_model_summary": True})
     trainer.fit(model, make_loader(TOPOLOGY, 8, 16), val())
+    summaries = [r for r in records if "param bytes/rank" in r or "Trainable params" in r]
     fit_val = float(trainer.callback_metrics["val_loss"])
     validated = trainer.validate(model, val(), verbose=False)[0]["val_loss"]
     tested = trainer.test(model, val(), verbose=False)[0]["test_loss"]
     predicted = trainer.predict(model, val())
     # the placeholders live only for the Trainer call: nothing stays bound on the model
     leftovers = sorted(n for n in ("training_step", "validation_step", "test_step", "predict_step") if n in vars(model))
-    return fit_val, validated, tested, [tuple(p.shape) for p in predicted], leftovers
+    return fit_val, validated, tested, [tuple(p.shape) for p in predicted], leftovers, summaries
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_module_needs_only_the_pipeline_hooks():
     per_rank = run_distributed(_hooks_only, 2, timeout=100, init_pg=False)
-    assert per_rank[0] == per_rank[1]
-    fit_val, validated, tested, predicted_shapes, leftovers = per_rank[0]
+    assert per_rank[0][:5] == per_rank[1][:5]
+    fit_val, validated, tested, predicted_shapes, leftovers, _ = per_rank[0]
+    # one pipeline summary (rank 0), instead of Lightning's summary of rank 0's stages
+    summary, = per_rank[0][5]
+    rows = [line.split() for line in summary.splitlines()]
+    assert ["enc_a", "0/1", "0", "(whole", "module)", "128", "0", "512", "B"] in rows, summary
+    assert ["llm", "0/1", "1", "0-4", "(5)", "739", "0", "2.9", "KB"] in rows, summary
+    assert per_rank[1][5] == []
     assert fit_val == pytest.approx(validated) == pytest.approx(tested)
     assert predicted_shapes == [(8, 3, 11), (8, 3, 11)]  # the sink output of each batch, no predict_step
     assert leftovers == []
@@ -226,3 +262,31 @@ def test_precision_plugin_is_a_clipping_copy_and_pickles():
     assert vars(users) == before
     copy = pickle.loads(pickle.dumps(strategy))  # the spawn launcher pickles the strategy
     assert isinstance(copy.precision_plugin, MixedPrecision) and copy.precision_plugin.pipeline_strategy is copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["popen", "fork"])
+def test_errors_before_launch_start_no_worker(start_method, monkeypatch):
+    """Knowable mistakes are raised in the launching process, before any worker starts."""
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_workers)
+    monkeypatch.setattr(_MultiProcessingLauncher, "_wrapping_function", no_workers)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def fit(placements, model, batch_size, devices, topology=None):
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=4, start_method=start_method)
+        trainer = L.Trainer(devices=devices, strategy=strategy, **QUIET)
+        with pytest.raises(PipelineConfigError) as err:
+            trainer.fit(model, make_loader(TOPOLOGY, batch_size, batch_size * 2))
+        return str(err.value)
+
+    assert "need 3 ranks" in fit({"enc_a": P(dp=2), "llm": P()}, MultiModalModel(TOPOLOGY), 8, 2)
+    assert "multiple of 8" in fit({"enc_a": P(dp=2), "llm": P()}, MultiModalModel(TOPOLOGY), 12, 3)
+    assert "nn.Sequential or nn.ModuleList" in fit({"enc_a": P(), "llm": P()}, _NoContainer(), 8, 2)
+    assert "pipeline_loss" in fit({"enc_a": P(), "llm": P()}, _NoLoss(TOPOLOGY), 8, 2)
+    assert "disagree" in fit({"enc_a": P(), "llm": P()}, _WrongWiring(), 8, 2, topology=TOPOLOGY)
