@@ -229,19 +229,23 @@ def check_memory(accelerator: str) -> str:
 
 
 def check_planner_profile(accelerator: str) -> str:
+    """The planner's per-layer profile (forward/backward seconds, bytes) measured on this device."""
     import importlib.util
 
     if importlib.util.find_spec("lightning_mmpp.plan") is None:
         raise _Skip("lightning_mmpp.plan is not in this tree yet")
-    from lightning_mmpp import plan  # type: ignore[attr-defined]
+    from lightning_mmpp import plan
 
-    profile = getattr(plan, "profile_layers", None)
-    if profile is None:
-        raise _Skip("lightning_mmpp.plan has no profile_layers()")
-    from tests.models import MultiModalModel
+    if not hasattr(plan, "profile_model"):
+        raise _Skip("lightning_mmpp.plan has no profile_model()")
+    from tests.models import MultiModalModel, make_loader
 
-    result = profile(MultiModalModel({"enc_a": ["llm"], "llm": []}), device="cuda" if accelerator == "gpu" else "cpu")
-    return f"profiled {len(result)} layer(s)"
+    topology = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
+    batch = next(iter(make_loader(topology, 8, 8)))
+    profile = plan.profile_model(MultiModalModel(topology, llm_layers=8), batch, topology,
+                                 device="cuda" if accelerator == "gpu" else "cpu", repeat=2)
+    layers = sum(len(cost.layers) for cost in profile.modules.values())
+    return f"{layers} layers of {len(profile.modules)} modules profiled on {profile.device}"
 
 
 class _Skip(Exception):

@@ -78,16 +78,26 @@ def _preempt_several_times(rank: int, world: int, root: Path) -> dict:
         ckpt = str(root / f"{name}.ckpt") if name == "group" else None
         trainer = _trainer(world, [SendSignal(root, at, targets)], ckpt, max_steps=MAX_STEPS)
         try:
-            trainer.fit(MultiModalModel(TOPOLOGY), make_loader(TOPOLOGY, BATCH, BATCH * MAX_STEPS))
+            trainer.fit(MultiModalModel(TOPOLOGY), _loader())
             out[name] = ("finished", trainer.global_step, None)
         except Preempted as stop:
             out[name] = (str(stop), trainer.global_step, stop.code)
-    # resume the group case's checkpoint: it must be complete and continue from its step
-    model = MultiModalModel(TOPOLOGY)
+    # resume the group case's checkpoint: complete, and exactly where the ranks stopped
+    resumed = MultiModalModel(TOPOLOGY)
     trainer = _trainer(world, [], max_steps=out["group"][1] + 2)
-    trainer.fit(model, make_loader(TOPOLOGY, BATCH, BATCH * MAX_STEPS), ckpt_path=str(root / "group.ckpt"))
+    trainer.fit(resumed, _loader(), ckpt_path=str(root / "group.ckpt"))
     out["resumed_to"] = trainer.global_step
+    straight = MultiModalModel(TOPOLOGY)
+    _trainer(world, [], max_steps=out["group"][1] + 2).fit(straight, _loader())
+    out["resumed_params"], out["straight_params"] = _params(resumed), _params(straight)
     return out
+
+
+def _loader():
+    """One batch per epoch: the preemption boundary is then also an epoch boundary, where
+    Lightning resumes exactly (mid-epoch it restarts the epoch's data unless the DataLoader is
+    stateful)."""
+    return make_loader(TOPOLOGY, BATCH, BATCH)
 
 
 @pytest.mark.distributed
@@ -109,6 +119,10 @@ def test_sigterm_to_the_group_or_one_rank_stops_every_rank_at_the_same_step(tmp_
     group_step = per_rank[0]["group"][1]
     assert (tmp_path / "group.ckpt").is_dir()
     assert [result["resumed_to"] for result in per_rank] == [group_step + 2] * 3
+    for result in per_rank:  # preempted + resumed == uninterrupted, bit for bit
+        assert result["resumed_params"].keys() == result["straight_params"].keys()
+        for name, value in result["resumed_params"].items():
+            assert torch.equal(value, result["straight_params"][name]), name
 
 
 def _hung_rank(rank: int, world: int, root: Path, targets: list[int]) -> str:
