@@ -94,18 +94,21 @@ NUMBERINGS = ("alap", "asap")
 class ZeroBubbleMemory:
     """The memory rule of ``"zero_bubble"``: how much a unit may hold in flight.
 
-    A unit may start a forward while ``full + weight_fraction * deferred + 1 <= limit``, where
-    ``full`` counts its microbatches between their forward and their ``I`` (they hold every
-    saved activation) and ``deferred`` those between ``I`` and ``W``.
+    A unit *holds* ``full + weight_fraction * deferred``: ``full`` counts its microbatches
+    between their forward and their ``I`` (they keep every saved activation), ``deferred`` those
+    between ``I`` and ``W``. A unit may always start a forward while it holds less than 1F1B's
+    bound ``depth - index`` (``+ extra``): that keeps every unit progressing as under 1F1B.
 
     ``bound``:
 
-    * ``"max"`` (default, ZB-H1's rule): ``limit = depth``, the most microbatches 1F1B holds on
-      any unit (the first stage of the longest branch). No rank holds more than 1F1B's
-      busiest rank, but a later stage holds more than its own 1F1B share: that is where the
-      deferred ``W`` s wait.
-    * ``"stage"``: ``limit = depth - index``, 1F1B's own bound per unit. The last stages can
-      then defer almost nothing, so less of the bubble goes (measured in
+    * ``"max"`` (default, ZB-H1's rule): beyond that, a unit may hold up to ``depth`` (``+
+      extra``, 1F1B's bound of the deepest unit) as long as its rank holds no more than 1F1B's
+      fullest rank may (the largest sum of ``min(m, depth - index)`` over the units of a rank),
+      counting the other units of the rank at their own 1F1B bound at least. So no rank holds
+      more than 1F1B's worst rank; the deferred ``W`` s wait on later stages, which hold more
+      than their own 1F1B share.
+    * ``"stage"``: never beyond ``depth - index``: every rank holds no more than under 1F1B.
+      The last stages can then defer almost nothing, so less of the bubble goes (measured in
       ``benchmarks/README.md``).
 
     ``weight_fraction`` is what a deferred ``W`` holds relative to a whole microbatch (the layer
@@ -378,12 +381,26 @@ class _TimedBuilder:
         self.units = info.slots
         self.needed_inputs, self.needed_grads = info.needed_inputs, info.needed_grads
         self.consumers, self.sends_grads = info.consumers, info.sends_grads
-        self.limit: dict[_Unit, float] = {}
-        for unit, slot in self.units.items():
-            base = layout.depth if memory.bound == "max" else layout.depth - layout.stage_index(
-                slot.module, slot.stage, numbering
-            )
-            self.limit[unit] = base + memory.extra
+        # 1F1B's bound per unit, always allowed (it is what keeps 1F1B from stalling)
+        self.own_limit: dict[_Unit, float] = {
+            u: layout.depth - layout.stage_index(slot.module, slot.stage, numbering) + memory.extra
+            for u, slot in self.units.items()
+        }
+        trained = [u for u in self.units if u[1] not in no_backward]
+        if memory.bound == "max":
+            # beyond it, up to 1F1B's deepest unit, while the rank holds no more than 1F1B's
+            # fullest rank would
+            self.unit_cap = {u: float(layout.depth + memory.extra) for u in self.units}
+            per_rank: dict[int, float] = defaultdict(float)
+            for u in trained:
+                per_rank[u[0]] += min(m, self.own_limit[u])
+            self.rank_cap = max(per_rank.values(), default=0.0)
+        else:
+            self.unit_cap = dict(self.own_limit)
+            self.rank_cap = 0.0
+        self.trained_on_rank: dict[int, list[_Unit]] = defaultdict(list)
+        for u in trained:
+            self.trained_on_rank[u[0]].append(u)
         self.next_f = {u: 0 for u in self.units}
         self.next_i = {u: 0 for u in self.units}  # next I (or, without an I, next backward: the lone W)
         self.next_w = {u: 0 for u in self.units}
@@ -414,14 +431,25 @@ class _TimedBuilder:
             return False
         if unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
             in_flight: float = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
-        elif self.sends_grads[unit]:
-            full = k - self.next_i[unit]
-            in_flight = full + self.memory.weight_fraction * (self.next_i[unit] - self.next_w[unit])
+            if in_flight + 1 > self.own_limit[unit] + 1e-9:
+                return False
         else:
-            in_flight = k - self.next_w[unit]
-        if in_flight + 1 > self.limit[unit] + 1e-9:
-            return False
+            in_flight = self._held(unit)
+            within_own = in_flight + 1 <= self.own_limit[unit] + 1e-9
+            if not within_own:
+                # room beyond the unit's own 1F1B bound, keeping the others' own bounds free
+                others = [u for u in self.trained_on_rank[unit[0]] if u != unit]
+                reserved = sum(max(self._held(u), min(self.m, self.own_limit[u])) for u in others)
+                if in_flight + 1 > self.unit_cap[unit] + 1e-9 or in_flight + 1 + reserved > self.rank_cap + 1e-9:
+                    return False
         return self._arrived(self.inputs[(unit, k)], self.needed_inputs[unit], now)
+
+    def _held(self, unit: _Unit) -> float:
+        """What a trained unit holds: whole microbatches until their I, ``weight_fraction`` after."""
+        if not self.sends_grads[unit]:
+            return self.next_f[unit] - self.next_w[unit]
+        full = self.next_f[unit] - self.next_i[unit]
+        return full + self.memory.weight_fraction * (self.next_i[unit] - self.next_w[unit])
 
     def _weight_ready(self, unit: _Unit, now: float) -> bool:
         if unit[1] in self.no_backward:

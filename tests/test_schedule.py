@@ -574,20 +574,57 @@ def check_zero_bubble(schedule: Schedule, layout: PipelineLayout, no_backward: f
                 if has_input:
                     assert position[(FORWARD, k)] < position[(Phase.BACKWARD_INPUT, k)]
                     assert position[(Phase.BACKWARD_INPUT, k)] < position[(Phase.BACKWARD_WEIGHT, k)]
-            # the memory rule, after every forward
-            limit = memory.extra + (layout.depth if memory.bound == "max" else
-                                    layout.depth - layout.stage_index(slot.module, slot.stage, numbering))
-            full = deferred = 0
-            for p, _ in seq:
-                if p is FORWARD:
-                    full += 1
-                    assert full + memory.weight_fraction * deferred <= limit + 1e-9, (rank, slot, seq)
-                elif p is Phase.BACKWARD_INPUT:
-                    full, deferred = full - 1, deferred + 1
-                elif has_input:
-                    deferred -= 1
-                else:
-                    full -= 1
+            # the memory rule, after every forward: the unit's cap
+            own = memory.extra + layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
+            cap = memory.extra + layout.depth if memory.bound == "max" else own
+            for held in _held_after_forwards(seq, memory.weight_fraction, has_input):
+                assert held <= cap + 1e-9, (rank, slot, seq)
+    if memory.bound == "max":  # and no rank beyond 1F1B's fullest rank
+        rank_cap = max(
+            sum(min(m, memory.extra + layout.depth - layout.stage_index(s.module, s.stage, numbering))
+                for s in layout.slots(r) if s.module not in no_backward)
+            for r in range(layout.world_size)
+        )
+        for rank in range(layout.world_size):
+            assert _rank_peak(schedule, layout, rank, no_backward, memory.weight_fraction) <= rank_cap + 1e-9, rank
+
+
+def _held_after_forwards(seq, fraction: float, has_input: bool) -> list[float]:
+    full = deferred = 0
+    out = []
+    for p, _ in seq:
+        if p is FORWARD:
+            full += 1
+            out.append(full + fraction * deferred)
+        elif p is Phase.BACKWARD_INPUT:
+            full, deferred = full - 1, deferred + 1
+        elif has_input:
+            deferred -= 1
+        else:
+            full -= 1
+    return out
+
+
+def _rank_peak(schedule: Schedule, layout: PipelineLayout, rank: int, no_backward, fraction: float) -> float:
+    """The most a rank holds at once, over its trained units, along its action list."""
+    has_input = {s.module: layout.sends_input_gradients(s, no_backward) for s in layout.slots(rank)}
+    full: Counter = Counter()
+    deferred: Counter = Counter()
+    peak = 0.0
+    for a in schedule.for_rank(rank):
+        if not isinstance(a, Compute) or a.module in no_backward:
+            continue
+        if a.phase is FORWARD:
+            full[a.module] += 1
+        elif a.phase is Phase.BACKWARD_INPUT:
+            full[a.module] -= 1
+            deferred[a.module] += 1
+        elif has_input[a.module]:
+            deferred[a.module] -= 1
+        else:
+            full[a.module] -= 1
+        peak = max(peak, sum(full.values()) + fraction * sum(deferred.values()))
+    return peak
 
 
 @settings(max_examples=80, deadline=None, database=None)
