@@ -136,17 +136,23 @@ class PhaseCosts:
 
     The builder plays the schedule on a clock with these costs to decide what each rank runs
     next; the result is correct and deadlock-free for any costs, they only shape the order.
-    A lone ``W`` (a stage with no ``I``) costs ``input + weight``: it is the stage's whole
-    backward.
+    ``lone_weight`` is the cost of a lone ``W`` (the whole backward of a stage with no ``I``,
+    whose inputs need no gradient); ``None`` means ``input + weight``.
     """
 
     forward: float = 1.0
     input: float = 1.0
     weight: float = 1.0
+    lone_weight: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if min(self.forward, self.input, self.weight) <= 0:
+        costs = (self.forward, self.input, self.weight, self.lone_weight_cost)
+        if min(costs) <= 0:
             raise PipelineConfigError(f"{self}: every cost must be > 0.")
+
+    @property
+    def lone_weight_cost(self) -> float:
+        return self.input + self.weight if self.lone_weight is None else self.lone_weight
 
 
 def check_schedule_args(name: str, num_microbatches: int, numbering: str = "alap") -> None:
@@ -482,7 +488,7 @@ class _TimedBuilder:
             return self.costs.forward
         if phase is Phase.BACKWARD_INPUT:
             return self.costs.input
-        return self.costs.weight if self.sends_grads[unit] else self.costs.input + self.costs.weight
+        return self.costs.weight if self.sends_grads[unit] else self.costs.lone_weight_cost
 
     # --- the clock ------------------------------------------------------------------------
 
