@@ -176,10 +176,11 @@ class StageExecutor:
         if roots:
             torch.autograd.backward(list(roots), list(grads))
 
-    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> None:
+    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> list[Any]:
         """``I``: gradients w.r.t. the ``received`` leaves (accumulated into their ``.grad``), layer
         by layer from the last, keeping what each layer's ``W`` needs. ``out_grads`` is aligned
-        with the last layer's output leaves."""
+        with the last layer's output leaves. Returns the layer inputs, outputs and output
+        gradients the ``W`` keeps (for the stash accounting); the pieces drop everything else."""
         grads = list(out_grads)
         for index in range(len(pieces) - 1, -1, -1):
             piece = pieces[index]
@@ -197,6 +198,10 @@ class StageExecutor:
                 continue
             got = iter(torch.autograd.grad(roots, wanted, root_grads, retain_graph=keep, allow_unused=True))
             grads = [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in piece.inputs]
+        kept = [(piece.inputs, piece.roots, piece.grads) for piece in pieces if piece.roots]
+        for piece in pieces:
+            piece.inputs, piece.outputs = [], []
+        return kept
 
     def backward_weight(self, pieces: list[_LayerPiece]) -> None:
         """``W``: parameter gradients of every layer from what ``I`` kept, accumulated into ``.grad``."""
@@ -372,9 +377,8 @@ class PipelineRuntime:
             t for src, payload in step.received.get((module, k), {}).items() if src not in self.no_backward_modules
             for t in tree_flatten(payload)[0] if isinstance(t, Tensor) and t.requires_grad
         ]
-        stage.backward_input(pieces, grads, received)
+        kept = stage.backward_input(pieces, grads, received)
         self._collect_input_grads(step, module, k)
-        kept = [(p.inputs, p.roots, p.grads) for p in pieces if p.roots]
         self._set_stash_bytes(step, (module, k), kept)
 
     def _backward_weight(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
