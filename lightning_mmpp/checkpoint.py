@@ -1,13 +1,13 @@
-"""Distributed checkpoints for :class:`~lightning_mmpp.MultiModulePipelineStrategy`.
+"""Distributed checkpoints for :class:`~lightning_mmpp.MultiModulePipelineStrategy`, as functions.
 
 After setup each rank's LightningModule holds only the layers it owns, under their original
-names, so a rank's ``state_dict()`` is already keyed by the names of the unpartitioned model.
-A checkpoint stores every tensor under that name, once, so it can be resumed on any placement
+names, so a rank's state dict is already keyed by the names of the unpartitioned model. A
+checkpoint stores every tensor under that name, once, so it can be resumed on any placement
 (any pp / dp sizes, any world size) of the same model, and exported to one ordinary Lightning
-``.ckpt`` file.
+``.ckpt`` file. The strategy's checkpoint hooks call the functions of this module.
 
-On-disk layout
---------------
+On-disk layout (format 2)
+-------------------------
 
 A checkpoint is a directory (``ModelCheckpoint`` names it ``epoch=0-step=3.ckpt``; it is a
 directory all the same)::
@@ -18,6 +18,9 @@ directory all the same)::
         __<r>_0.distcp     DCP data written by rank r (empty when r writes nothing)
         meta.pt            torch.save, written by rank 0: the rest of Lightning's checkpoint dict
         rng_rank<r>.pt     torch.save, written by rank r: the RNG states of rank r
+        manifest.json      JSON, written last by rank 0: {"format": 2, "checksum": "crc32",
+                           "files": {<name>: {"size": <bytes>, "crc32": "<8 hex digits>"}}}
+                           for every other file
 
 DCP keys (a flat dict; ``<name>`` is the original parameter / buffer name, ``<i>`` the optimizer
 index, ``<key>`` the optimizer's per-parameter state key)::
@@ -26,66 +29,103 @@ index, ``<key>`` the optimizer's per-parameter state key)::
     optim/<i>/<name>/<key>     per-parameter optimizer state                  optim/0/llm.3.lin.weight/exp_avg
 
 Writers: the rank holding data-parallel replica 0 of a module's stage writes that stage's model
-and optimizer entries; entries outside every module (top-level buffers) are written by rank 0.
-Every tensor is stored exactly once, whatever the dp sizes.
+and optimizer entries; entries outside every module (top-level buffers) are written by rank 0;
+DTensor entries (sharded modules) are handed to DCP by every rank, which writes each shard once.
+Every tensor is stored exactly once, whatever the dp sizes. Names come from torch's
+``get_model_state_dict`` / ``get_optimizer_state_dict`` (canonical parameter names).
 
 ``meta.pt`` holds Lightning's checkpoint dict without ``state_dict`` (loops, callbacks, epoch,
 global step, hyper-parameters, LR schedulers, precision plugin state, whatever
 ``on_save_checkpoint`` hooks add: these are identical on every rank, so rank 0's copy is saved),
 where ``optimizer_states[i]`` is ``{"param_groups": [{<hyper-parameters>, "params": [names]}]}``:
 each group's hyper-parameters and the names of all its parameters (over all ranks) in the order
-of the unpartitioned optimizer; the per-parameter state is in DCP. It also holds ``"mmpp"``:
-``{"format": 1, "world_size": N, "placements": ..., "topology": ..., "state_dict_keys": [...]}``.
+of the model's parameters (``named_parameters()`` of the unpartitioned model, which is the
+order ``self.parameters()`` gives a single-process optimizer); the per-parameter state is in
+DCP. It also holds ``"mmpp"``: ``{"format": 2, "world_size": N, "placements": ...,
+"topology": ..., "state_dict_keys": [...], "reordered_groups": [[i, g], ...]}``, the last
+listing groups whose parameters some rank's optimizer holds in another order than the model's.
 
 ``rng_rank<r>.pt``: ``{"torch": ByteTensor, "python": ..., "numpy": ..., "cuda": ...}`` of rank
 r, restored on rank r when fitting resumes (a rank beyond the saved world size keeps its seed).
 
-Everything in ``meta.pt`` and ``rng_rank<r>.pt`` is plain data (tensors, numbers, strings,
-lists, dicts), so they load with ``torch.load(weights_only=True)`` unless user hooks add other
-objects.
+Writing: into a hidden sibling directory, published under the checkpoint's name by one atomic
+rename only when every rank's files, ``meta.pt`` and the manifest are complete and flushed, so
+a crash leaves the previous checkpoint of that name or the new one, never a mixture (see
+:mod:`lightning_mmpp.checkpoint_files`).
 
-Resuming loads, on every rank, the entries of the parameters it owns, from whichever files hold
-them. Names and shapes are checked against the model before any tensor is read, on every rank
-together, so a mismatch raises the same :class:`PipelineConfigError` everywhere instead of
-hanging.
+Reading: every file read is first checked against the manifest (present, same size, same
+CRC32). The DCP index is unpickled with an allow-list of its own plain classes, ``meta.pt``
+and the DCP entries that are not tensors with ``torch.load(weights_only=True)`` unless the
+caller passes ``weights_only=False``, the RNG files always with ``weights_only=True``: loading
+a checkpoint never runs code stored in it by default. Names and shapes are checked against the
+model before any tensor is read, on every rank together, so any problem raises the same
+:class:`PipelineConfigError` everywhere instead of hanging.
 
 Export: :func:`export_checkpoint` (or ``python -m lightning_mmpp.export CKPT_DIR OUT.ckpt``)
 writes one ordinary Lightning checkpoint: the full ``state_dict`` and index-keyed optimizer
 states, loadable with ``MyModule.load_from_checkpoint(OUT.ckpt)`` or a single-process
-``Trainer.fit(ckpt_path=OUT.ckpt)``.
+``Trainer.fit(ckpt_path=OUT.ckpt)``. :func:`read_checkpoint_tensors` reads named tensors of a
+checkpoint on one process (pretrained weights).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import re
-import shutil
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 
+from lightning_mmpp.checkpoint_files import (
+    FileRecord,
+    dcp_load,
+    file_record,
+    interrupted_replacement,
+    publish,
+    read_dcp_metadata,
+    read_manifest,
+    remove_directory,
+    safe_torch_load,
+    staging_directory,
+    torch_save_durably,
+    verify_files,
+    write_manifest,
+)
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import PipelineLayout
 
-__all__ = ["PipelineCheckpointMixin", "export_checkpoint", "is_pipeline_checkpoint"]
+__all__ = [
+    "export_checkpoint",
+    "load_checkpoint",
+    "load_model_state",
+    "load_optimizer_states",
+    "model_state_dict",
+    "optimizer_state_by_name",
+    "read_checkpoint_tensors",
+    "remove_checkpoint",
+    "save_checkpoint",
+]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
-_RNG_FILE_RE = re.compile(r"rng_rank\d+\.pt")
-_DCP_FILE_RE = re.compile(r"__\d+_\d+\.distcp")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -109,103 +149,147 @@ def _parse_optim_key(fqn: str) -> tuple[int, str, str]:
     return int(index), name, key
 
 
-def is_pipeline_checkpoint(path: PathLike) -> bool:
-    """Whether ``path`` is a checkpoint directory written by the pipeline strategy."""
-    p = Path(path)
-    return p.is_dir() and (p / META_FILE).is_file() and (p / DCP_METADATA_FILE).is_file()
+def _group_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
-# --- reading the index ------------------------------------------------------------------------
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch one
 
 
-def _read_metadata(path: Path) -> Metadata:
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist.")
-    if not path.is_dir():
-        raise PipelineConfigError(
-            f"checkpoint {str(path)!r} is a file; MultiModulePipelineStrategy resumes from the checkpoint "
-            "directories it writes (a single-file checkpoint can be loaded with MyModule.load_from_checkpoint "
-            "before fitting instead)."
-        )
-    for name in (DCP_METADATA_FILE, META_FILE):
-        if not (path / name).is_file():
-            raise FileNotFoundError(
-                f"checkpoint {str(path)!r} is missing {name!r} ({str(path / name)!r}); it was not written completely "
-                "or is not a MultiModulePipelineStrategy checkpoint."
-            )
-    return dcp.FileSystemReader(str(path)).read_metadata()
-
-
-def _check_files(path: Path, metadata: Metadata, fqns: Iterable[str]) -> None:
-    """Raise ``FileNotFoundError`` naming the first data file that holds one of ``fqns`` and is missing."""
-    wanted = set(fqns)
-    files: dict[str, None] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if index.fqn in wanted:
-            files.setdefault(info.relative_path, None)
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(
-                f"checkpoint {str(path)!r} is missing the shard file {name!r} ({str(path / name)!r}); "
-                "copy the whole checkpoint directory."
-            )
-
-
-def _load_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
-    info = meta.get("mmpp") if isinstance(meta, dict) else None
-    if not isinstance(info, dict):
-        raise PipelineConfigError(
-            f"checkpoint {str(path)!r} was not written by MultiModulePipelineStrategy (its {META_FILE} has no 'mmpp' "
-            "entry); resume it with the strategy that wrote it."
-        )
-    if info.get("format") != FORMAT_VERSION:
-        raise PipelineConfigError(
-            f"checkpoint {str(path)!r} has format {info.get('format')!r}; this version of lightning_mmpp reads "
-            f"format {FORMAT_VERSION}."
-        )
-    return meta
-
-
-def _local_path(path: PathLike) -> Path:
-    text = os.fspath(path)
-    if "://" in text:
-        raise PipelineConfigError(
-            f"checkpoint path {text!r}: MultiModulePipelineStrategy writes checkpoints with "
-            "torch.distributed.checkpoint's FileSystemWriter, to a local or shared file system path; remote URLs "
-            "are not supported. Save to a path every rank can reach and copy it afterwards."
-        )
-    return Path(text)
-
-
-def _empty_like_stored(md: Any) -> Any:
-    """A destination for DCP to load one stored entry into."""
-    if isinstance(md, TensorStorageMetadata):
-        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    return None  # bytes: DCP replaces the placeholder with the stored object
-
-
-def _optim_index(metadata: Metadata) -> dict[tuple[int, str], list[tuple[str, str]]]:
-    """``{(optimizer index, parameter name): [(state key, fqn), ...]}`` of the stored optimizer state."""
-    index: dict[tuple[int, str], list[tuple[str, str]]] = {}
-    for fqn in metadata.state_dict_metadata:
-        if fqn.startswith(OPTIM_PREFIX):
-            i, name, key = _parse_optim_key(fqn)
-            index.setdefault((i, name), []).append((key, fqn))
-    return index
-
-
-def _dcp_load(flat: dict[str, Any], path: Path, no_dist: bool) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+# --- collectives (the default process group; one process without it) ---------------------------
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-# --- RNG states --------------------------------------------------------------------------------
+def _all_gather(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def _raise_first(reports: Sequence[Optional[tuple[str, str]]], own: Optional[BaseException], rank: int) -> None:
+    """Raise on every rank when any rank failed: the first failing rank's error."""
+    failed = [(r, error) for r, error in enumerate(reports) if error is not None]
+    if not failed:
+        return
+    first_rank, (kind, message) = failed[0]
+    if own is not None and rank == first_rank:
+        raise own
+    cls = {"FileNotFoundError": FileNotFoundError, "PipelineConfigError": PipelineConfigError, "OSError": OSError}.get(
+        kind
+    )
+    if cls is not None:
+        raise cls(message) from own
+    raise RuntimeError(f"rank {first_rank} failed: {kind}: {message}") from own
+
+
+def _report(exc: Optional[BaseException]) -> Optional[tuple[str, str]]:
+    """What a rank tells its peers about its failure: the kind (as ``_raise_first`` rebuilds it) and message."""
+    if exc is None:
+        return None
+    if isinstance(exc, (FileNotFoundError, PipelineConfigError)):
+        return type(exc).__name__, str(exc)
+    return ("OSError" if isinstance(exc, OSError) else type(exc).__name__), str(exc)
+
+
+# --- state by name -------------------------------------------------------------------------------
+
+
+def model_state_dict(model: nn.Module) -> dict[str, Any]:
+    """This rank's model state: the layers it owns, under their canonical original names."""
+    return get_model_state_dict(model)
+
+
+def optimizer_state_by_name(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name: ``{"state": {name: {key: value}},
+    "param_groups": [{<hyper-parameters>, "params": [names]}]}`` (torch's ``get_optimizer_state_dict``).
+
+    An optimizer that has not stepped yet has no state: torch's helper would create it with a
+    zero-gradient step, which changes what the next real step does (Adam's step count), so the
+    names are read without touching it.
+    """
+    opt = _unwrap(optimizer)
+    if opt.state:
+        return get_optimizer_state_dict(model, opt)
+    names = {p: n for n, p in model.named_parameters()}
+    groups = []
+    for group in opt.param_groups:
+        if any(p not in names for p in group["params"]):
+            raise PipelineConfigError(
+                "an optimizer holds a parameter that is not a parameter of the LightningModule; pipeline "
+                "checkpoints key optimizer state by parameter name. Build the optimizer from self.parameters()."
+            )
+        groups.append({**_group_hyperparameters(group), "params": [names[p] for p in group["params"]]})
+    return {"state": {}, "param_groups": groups}
+
+
+def _local_optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Name-keyed state with live tensors to read a checkpoint into (torch initialises missing
+    state with a zero step; the loaded state replaces it)."""
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def _order_keys(model: nn.Module, layout: PipelineLayout, rank: int, names: Sequence[str]) -> dict[str, tuple]:
+    """A key per name that sorts names of all ranks into the unpartitioned model's order.
+
+    The model's own entries come first, then its child modules in attribute order; inside a
+    pipelined module stage s precedes stage s+1 and a rank lists its own stage in order.
+    """
+    children = {name: i for i, name in enumerate(model._modules)}
+    keys: dict[str, tuple] = {}
+    position: dict[tuple[int, int], int] = {}
+    for name in names:
+        top = name.split(".", 1)[0]
+        child = children.get(top, -1) if "." in name else -1
+        slot = layout.slot(rank, top) if top in layout.placements else None
+        group = (child, slot.stage if slot is not None else 0)
+        position[group] = position.get(group, -1) + 1
+        keys[name] = (*group, position[group])
+    return keys
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def _local_path(path: PathLike) -> Path:
+    text = os.fspath(path)
+    if not _is_local_file_protocol(text):  # Lightning's helper: fsspec's protocol of the path is "file"
+        raise PipelineConfigError(
+            f"checkpoint path {text!r}: MultiModulePipelineStrategy writes checkpoints with "
+            "torch.distributed.checkpoint's FileSystemWriter, to a local or shared file system path; remote URLs "
+            "are not supported. Save to a path every rank can reach and copy it afterwards."
+        )
+    return Path(text.removeprefix("file://"))
+
+
+def _writes(layout: PipelineLayout, rank: int, name: str) -> bool:
+    """Whether ``rank`` is the one rank that writes the (non-DTensor) entries of ``name``."""
+    module = name.split(".", 1)[0]
+    slot = layout.slot(rank, module) if module in layout.placements else None
+    if slot is None:
+        return rank == 0  # outside every module: identical everywhere
+    return slot.replica == 0
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        return False
+    return isinstance(value, DTensor)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -245,459 +329,536 @@ def _set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# --- helpers on optimizers ---------------------------------------------------------------------
+def _merge_in_order(per_rank: Sequence[Mapping[str, tuple]]) -> list[str]:
+    keys: dict[str, tuple] = {}
+    for ranked in per_rank:
+        for name, key in ranked.items():
+            keys.setdefault(name, key)
+    return sorted(keys, key=lambda name: keys[name])
 
 
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _names_in_order(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
-    """The names of the optimizer's parameters, in the order ``optimizer.state_dict()`` indexes them."""
-    out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name is None:
-                raise PipelineConfigError(
-                    "an optimizer holds a parameter that is not a parameter of the LightningModule; pipeline "
-                    "checkpoints key optimizer state by parameter name. Build the optimizer from self.parameters()."
-                )
-            out.append(name)
-    return out
-
-
-def _merge_names(per_rank: Sequence[Sequence[str]], order: Optional[Sequence[str]]) -> list[str]:
-    """The union of the ranks' name lists: in ``order`` where it knows them, then in rank order."""
-    merged = list(dict.fromkeys(name for names in per_rank for name in names))
-    if order:
-        position = {name: i for i, name in enumerate(order)}
-        merged.sort(key=lambda name: position.get(name, len(position)))  # stable: unknown names keep rank order
-    return merged
-
-
-def _group_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-class PipelineCheckpointMixin:
-    """Checkpoint hooks of :class:`~lightning_mmpp.MultiModulePipelineStrategy` (see the module docstring).
-
-    Mixed in before ``ParallelStrategy``; uses the strategy's ``layout``, ``lightning_module``,
-    ``optimizers``, ``global_rank``, ``root_device``, ``barrier`` and ``broadcast``.
-    """
-
-    layout: Any
-    lightning_module: Any
-    optimizers: list[Any]
-    global_rank: int
-    root_device: torch.device
-
-    # --- what Lightning asks ---------------------------------------------------------------
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # the model is partitioned in ``setup``: a rank loads only what it owns, after that
-        return True
-
-    def connect(self, model: Any) -> None:
-        super().connect(model)  # type: ignore[misc]
-        if getattr(model, "_mmpp_partition", None) is None:
-            # the unpartitioned order of the state dict, for exports (kept on the model: a re-fit
-            # of the same, then partitioned, model still knows it)
-            model._mmpp_state_dict_keys = list(model.state_dict().keys())
-
-    def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)  # type: ignore[misc]
-        lm = self.lightning_module
-        self._mmpp_group_names: Optional[list[list[list[str]]]] = None
-        if getattr(lm, "_mmpp_partition", None) is None:
-            # before partitioning every rank's optimizers hold every parameter: record each
-            # group's names in the user's order, the index order of a single-process optimizer
-            names = {id(p): n for n, p in lm.named_parameters()}
-            try:
-                self._mmpp_group_names = [
-                    [[names[id(p)] for p in group["params"]] for group in _unwrap(opt).param_groups]
-                    for opt in self.optimizers
-                ]
-            except KeyError:
-                self._mmpp_group_names = None
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's state dict: the layers it owns, under their original names."""
-        return self.lightning_module.state_dict()
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state dict keyed by parameter name instead of index.
-
-        ``{"state": {name: {key: value}}, "param_groups": [{<hyper-parameters>, "params": [names]}]}``
-        """
-        opt = _unwrap(optimizer)
-        names = _names_in_order(opt, {id(p): n for n, p in self.lightning_module.named_parameters()})
-        sd = opt.state_dict()
-        return {
-            "state": {names[i]: dict(s) for i, s in sd["state"].items()},
-            "param_groups": [
-                {**_group_hyperparameters(g), "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
-            ],
-        }
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
-    ) -> None:
-        """Write a distributed checkpoint directory at ``filepath``; every rank must call this."""
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the checkpoint is "
-                "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
-            )
-        path = _local_path(self.broadcast(os.fspath(filepath)))  # one path for all ranks
-        rank = self.global_rank
-        problem = None
-        if rank == 0:
-            try:
-                _prepare_directory(path)
-            except OSError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-        problem = self.broadcast(problem)  # also the barrier before anyone writes
-        if problem is not None:
-            raise OSError(f"cannot write the checkpoint directory {str(path)!r}: {problem}")
-
-        state_dict: Mapping[str, Any] = checkpoint.get("state_dict", {})
-        optimizer_states: Optional[list[dict[str, Any]]] = checkpoint.get("optimizer_states")
-        flat: dict[str, Any] = {}
-        for name, value in state_dict.items():
-            if self._writes(name):
-                flat[_model_key(name)] = value
-        for i, opt_state in enumerate(optimizer_states or []):
-            for name, per_param in opt_state["state"].items():
-                if self._writes(name):
-                    for key, value in per_param.items():
-                        flat[_optim_key(i, name, key)] = value
-
-        local = {
-            "state_dict_keys": list(state_dict),
-            "groups": [[g["params"] for g in s["param_groups"]] for s in optimizer_states or []],
-        }
-        gathered = self._mmpp_all_gather(local)
-
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=not _distributed())
-        torch.save(_rng_state(self.root_device), path / _rng_file(rank))
-
-        if rank == 0:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            if optimizer_states is not None:
-                meta["optimizer_states"] = self._meta_optimizer_states(optimizer_states, gathered)
-            meta["mmpp"] = {
-                "format": FORMAT_VERSION,
-                "world_size": len(gathered),
-                "placements": {
-                    m: {"pp": p.pp, "dp": p.dp, "rank_offset": self.layout.offsets[m],
-                        "split_points": list(p.split_points) if p.split_points is not None else None}
-                    for m, p in self.layout.placements.items()
-                },
-                "topology": {m: list(self.layout.topology.downstream(m)) for m in self.layout.modules},
-                "state_dict_keys": _merge_names(
-                    [g["state_dict_keys"] for g in gathered],
-                    getattr(self.lightning_module, "_mmpp_state_dict_keys", None),
-                ),
-            }
-            tmp = path / (META_FILE + ".tmp")
-            torch.save(meta, tmp)
-            os.replace(tmp, path / META_FILE)
-        self.barrier()
-
-    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read the parameters and optimizer state this rank owns; every rank must call this.
-
-        Returns a Lightning checkpoint dict whose ``state_dict`` and ``optimizer_states`` are this
-        rank's (``optimizer_states`` index-keyed for the rank's optimizers, ready for
-        ``optimizer.load_state_dict``). Restores this rank's RNG states when fitting.
-        """
-        path_text = self.broadcast(os.fspath(checkpoint_path))  # one path for all ranks
-        lm = self.lightning_module
-        trainer = getattr(lm, "_trainer", None)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        strict = bool(getattr(lm, "strict_loading", True))
-        local_state = lm.state_dict()
-
-        # 1. every check that can fail, before any tensor is read; all ranks agree on the outcome
-        failure: Optional[BaseException] = None
-        plan: dict[str, Any] = {}
-        try:
-            path = _local_path(path_text)
-            metadata = _read_metadata(path)
-            meta = _load_meta(path, weights_only)
-            plan = self._plan_load(path, metadata, meta, local_state, strict, fitting)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            failure = exc
-        reports = self._mmpp_all_gather({
-            "error": None if failure is None else (type(failure).__name__, str(failure)),
-            "keys": list(local_state),
-        })
-        _raise_first(reports, failure, self.global_rank)
-        if strict:
-            owned = {k for r in reports for k in r["keys"]}
-            unexpected = [
-                fqn[len(MODEL_PREFIX):] for fqn in metadata.state_dict_metadata
-                if fqn.startswith(MODEL_PREFIX) and fqn[len(MODEL_PREFIX):] not in owned
-            ]
-            if unexpected:
-                raise PipelineConfigError(
-                    f"checkpoint {str(path)!r} does not match the model: it holds {unexpected[0]!r}, which the model "
-                    f"does not have ({len(unexpected)} such entries). Build the model the checkpoint was saved from, "
-                    "or set `strict_loading = False` on the LightningModule."
-                )
-
-        # 2. read this rank's tensors (a collective)
-        flat = {fqn: _empty_like_stored(metadata.state_dict_metadata[fqn]) for fqn in plan["fqns"]}
-        _dcp_load(flat, path, no_dist=not _distributed())
-
-        checkpoint = dict(meta)
-        checkpoint["state_dict"] = {name: flat[_model_key(name)] for name in plan["model"]}
-        if plan["optimizers"] is not None:
-            checkpoint["optimizer_states"] = [
-                {
-                    "state": {
-                        idx: {key: flat[fqn] for key, fqn in entries} for idx, entries in opt_plan["state"].items()
-                    },
-                    "param_groups": opt_plan["param_groups"],
-                }
-                for opt_plan in plan["optimizers"]
-            ]
-        if fitting and plan["rng"] is not None:
-            _set_rng_state(plan["rng"], self.root_device)
-        return checkpoint
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            opt = _unwrap(optimizer)
-            opt.load_state_dict(state)
-            _optimizer_to_device(opt, self.root_device)
-
-    def remove_checkpoint(self, filepath: PathLike) -> None:
-        """Rank 0 removes the checkpoint (directory or file), then every rank waits for it."""
-        if self.global_rank == 0:
-            path = Path(filepath)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-        self.barrier()
-
-    # --- internals -------------------------------------------------------------------------
-
-    def _writes(self, name: str) -> bool:
-        """Whether this rank is the one rank that writes the entries of ``name``."""
-        module = name.split(".", 1)[0]
-        slot = self.layout.slot(self.global_rank, module) if module in self.layout.placements else None
-        if slot is None:
-            return self.global_rank == 0  # outside every module: identical everywhere
-        return slot.replica == 0
-
-    def _mmpp_all_gather(self, obj: Any) -> list[Any]:
-        if not _distributed():
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _meta_optimizer_states(
-        self, optimizer_states: Sequence[Mapping[str, Any]], gathered: Sequence[Mapping[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """Each group's hyper-parameters and the names of all its parameters over all ranks."""
-        recorded = getattr(self, "_mmpp_group_names", None)
-        out = []
-        for i, opt_state in enumerate(optimizer_states):
+def _meta(
+    checkpoint: Mapping[str, Any], gathered: Sequence[Mapping[str, Any]], layout: PipelineLayout
+) -> dict[str, Any]:
+    """Rank 0's ``meta.pt`` contents (see the module docstring)."""
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    order = {name: key for report in gathered for name, key in report["order"].items()}
+    reordered: list[list[int]] = []
+    if checkpoint.get("optimizer_states") is not None:
+        states = []
+        for i, opt_state in enumerate(checkpoint["optimizer_states"]):
             groups = []
             for g, group in enumerate(opt_state["param_groups"]):
-                order = None
-                if recorded is not None and i < len(recorded) and g < len(recorded[i]):
-                    order = recorded[i][g]
-                names = _merge_names([r["groups"][i][g] for r in gathered], order)
+                names = list(dict.fromkeys(n for report in gathered for n in report["groups"][i][g]))
+                names.sort(key=lambda n: order.get(n, (len(order),)))
+                for report in gathered:
+                    local = report["groups"][i][g]
+                    if local != [n for n in names if n in set(local)]:
+                        reordered.append([i, g])
+                        break
                 groups.append({**_group_hyperparameters(group), "params": names})
-            out.append({"param_groups": groups})
-        return out
+            states.append({"param_groups": groups})
+        meta["optimizer_states"] = states
+    meta["mmpp"] = {
+        "format": FORMAT_VERSION,
+        "world_size": len(gathered),
+        "placements": {
+            m: {"pp": p.pp, "dp": p.dp, "rank_offset": layout.offsets[m],
+                "split_points": list(p.split_points) if p.split_points is not None else None}
+            for m, p in layout.placements.items()
+        },
+        "topology": {m: list(layout.topology.downstream(m)) for m in layout.modules},
+        "state_dict_keys": _merge_in_order([report["order"] for report in gathered]),
+        "reordered_groups": reordered,
+    }
+    return meta
 
-    def _plan_load(
-        self,
-        path: Path,
-        metadata: Metadata,
-        meta: Mapping[str, Any],
-        local_state: Mapping[str, Any],
-        strict: bool,
-        fitting: bool,
-    ) -> dict[str, Any]:
-        """Check this rank's names and shapes against the checkpoint; say what to read."""
-        stored = metadata.state_dict_metadata
-        fqns: list[str] = []
-        model: list[str] = []
-        for name, value in local_state.items():
-            md = stored.get(_model_key(name))
-            if md is None:
-                if strict:
-                    raise PipelineConfigError(
-                        f"checkpoint {str(path)!r} does not match the model: the model's {name!r} is not in the "
-                        "checkpoint. Build the model the checkpoint was saved from, or set `strict_loading = False` "
-                        "on the LightningModule."
-                    )
-                continue
-            if isinstance(value, Tensor) and isinstance(md, TensorStorageMetadata) and tuple(value.shape) != tuple(
-                md.size
-            ):
+
+def save_checkpoint(
+    checkpoint: Mapping[str, Any],
+    filepath: PathLike,
+    *,
+    model: nn.Module,
+    layout: PipelineLayout,
+    rank: int,
+    device: torch.device,
+) -> None:
+    """Write Lightning's ``checkpoint`` dict as a checkpoint directory at ``filepath``, crash-safely.
+
+    Every rank must call this with its own ``checkpoint`` (``state_dict`` from
+    :func:`model_state_dict`, ``optimizer_states`` from :func:`optimizer_state_by_name`).
+    A failure on any rank raises on every rank and leaves what was at ``filepath`` untouched.
+    """
+    final = _local_path(_broadcast(os.fspath(filepath)))  # one path for all ranks
+    staging: Optional[Path] = None
+    problem: Optional[str] = None
+    if rank == 0:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging = staging_directory(final)
+            staging.mkdir()
+        except OSError as exc:
+            problem = f"cannot write the checkpoint {str(final)!r}: {type(exc).__name__}: {exc}"
+    staging, problem = _broadcast((staging, problem))
+    if problem is not None:
+        raise OSError(problem)
+    assert staging is not None
+    try:
+        _write_files(checkpoint, staging, final, model=model, layout=layout, rank=rank, device=device)
+    except BaseException:
+        if rank == 0:
+            remove_directory(staging)
+        raise
+
+
+def _write_files(
+    checkpoint: Mapping[str, Any],
+    staging: Path,
+    final: Path,
+    *,
+    model: nn.Module,
+    layout: PipelineLayout,
+    rank: int,
+    device: torch.device,
+) -> None:
+    state_dict: Mapping[str, Any] = checkpoint.get("state_dict", {})
+    optimizer_states: Optional[Sequence[Mapping[str, Any]]] = checkpoint.get("optimizer_states")
+    flat: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        if _is_dtensor(value) or _writes(layout, rank, name):
+            flat[_model_key(name)] = value
+    for i, opt_state in enumerate(optimizer_states or []):
+        for name, per_param in opt_state["state"].items():
+            for key, value in per_param.items():
+                if _is_dtensor(value) or _writes(layout, rank, name):
+                    flat[_optim_key(i, name, key)] = value
+
+    # 1. data: DCP files (a collective; DCP reports any rank's failure on every rank), RNG file
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not _distributed())
+    error: Optional[BaseException] = None
+    records: dict[str, FileRecord] = {}
+    try:
+        torch_save_durably(_rng_state(device), staging / _rng_file(rank))
+        records = _records_of_rank(staging, rank)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    report = {
+        "error": _report(error),
+        "records": records,
+        "order": _order_keys(model, layout, rank, list(state_dict)),
+        "groups": [[list(g["params"]) for g in s["param_groups"]] for s in optimizer_states or []],
+    }
+    # 2. every rank's files are complete and flushed
+    gathered = _all_gather(report)
+    _raise_first([r["error"] for r in gathered], error, rank)
+
+    # 3. rank 0: meta.pt, manifest.json (the completion mark), one atomic rename
+    problem: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            all_records = {name: rec for r in gathered for name, rec in r["records"].items()}
+            _write_meta(_meta(checkpoint, gathered, layout), staging)
+            for name in (DCP_METADATA_FILE, META_FILE):
+                all_records[name] = file_record(staging / name)
+            _write_manifest(staging, all_records)
+            _publish(staging, final)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            problem = exc
+    outcome = _broadcast(_report(problem))
+    _raise_first([outcome], problem, rank)
+
+
+def _records_of_rank(staging: Path, rank: int) -> dict[str, FileRecord]:
+    """Sizes and checksums of the files ``rank`` wrote (its DCP files carry its rank as prefix)."""
+    prefix = f"__{rank}_" if _distributed() else "__0_"
+    names = [p.name for p in staging.iterdir() if p.name.startswith(prefix) and p.name.endswith(".distcp")]
+    names.append(_rng_file(rank))
+    return {name: file_record(staging / name) for name in sorted(names)}
+
+
+# the three steps of rank 0's finish, as functions so that tests can interrupt a save between them
+def _write_meta(meta: Mapping[str, Any], staging: Path) -> None:
+    torch_save_durably(dict(meta), staging / META_FILE)
+
+
+def _write_manifest(staging: Path, records: Mapping[str, FileRecord]) -> None:
+    write_manifest(staging, records, FORMAT_VERSION)
+
+
+def _publish(staging: Path, final: Path) -> None:
+    publish(staging, final)
+
+
+def remove_checkpoint(filepath: PathLike, *, rank: int) -> None:
+    """Rank 0 removes the checkpoint (its name disappears at once), then every rank waits for it."""
+    if rank == 0:
+        remove_directory(Path(filepath))
+    if _distributed():
+        dist.barrier()
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _open_checkpoint(path: Path, verify: bool = True) -> tuple[Optional[dict[str, FileRecord]], Metadata]:
+    """Check the directory; verify (against the manifest) and read its index safely."""
+    if not path.exists():
+        aside = interrupted_replacement(path)
+        hint = (
+            f"; a save that was interrupted while replacing it left the previous checkpoint complete at "
+            f"{str(aside)!r}: rename that directory to {path.name!r} to use it" if aside is not None else ""
+        )
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{hint}.")
+    if not path.is_dir():
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} is a file; MultiModulePipelineStrategy resumes from the checkpoint "
+            "directories it writes (a single-file checkpoint can be loaded with MyModule.load_from_checkpoint "
+            "before fitting instead)."
+        )
+    manifest = read_manifest(path) if verify else None
+    if manifest is not None:
+        verify_files(path, manifest, [DCP_METADATA_FILE])
+    return manifest, read_dcp_metadata(path)
+
+
+def _read_meta(path: Path, manifest: Mapping[str, FileRecord], weights_only: bool) -> dict[str, Any]:
+    """Verify and read ``meta.pt`` (plain data only unless ``weights_only=False``)."""
+    verify_files(path, manifest, [META_FILE])
+    meta = safe_torch_load(path / META_FILE, weights_only=weights_only, what="Lightning's state", checkpoint=path)
+    info = meta.get("mmpp") if isinstance(meta, dict) else None
+    if not isinstance(info, dict):
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} was not written by MultiModulePipelineStrategy (its {META_FILE} has no 'mmpp' "
+            "entry); resume it with the strategy that wrote it."
+        )
+    if info.get("format") != FORMAT_VERSION:
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} has format {info.get('format')!r}; this version of lightning_mmpp reads "
+            f"format {FORMAT_VERSION}."
+        )
+    return meta
+
+
+def _files_holding(metadata: Metadata, fqns: Sequence[str]) -> dict[str, list[str]]:
+    """``{file: [keys stored in it]}`` for the files holding any of ``fqns``."""
+    wanted = set(fqns)
+    holds: dict[str, list[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in wanted:
+            holds.setdefault(info.relative_path, []).append(index.fqn)
+    return {name: sorted(set(keys)) for name, keys in holds.items()}
+
+
+def _empty_like_stored(md: Any) -> Any:
+    """A destination for DCP to load one stored entry into."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None  # bytes: DCP replaces the placeholder with the stored object
+
+
+def _template(stored: Any, live: Any) -> Any:
+    """Load into the live tensor (in place, sharded or not) when it fits, else a fresh one."""
+    if isinstance(stored, TensorStorageMetadata) and isinstance(live, Tensor) and tuple(live.shape) == tuple(
+        stored.size
+    ):
+        return live
+    return _empty_like_stored(stored)
+
+
+def _optim_index(metadata: Metadata) -> dict[tuple[int, str], list[tuple[str, str]]]:
+    """``{(optimizer index, parameter name): [(state key, fqn), ...]}`` of the stored optimizer state."""
+    index: dict[tuple[int, str], list[tuple[str, str]]] = {}
+    for fqn in metadata.state_dict_metadata:
+        if fqn.startswith(OPTIM_PREFIX):
+            i, name, key = _parse_optim_key(fqn)
+            index.setdefault((i, name), []).append((key, fqn))
+    return index
+
+
+def _plan_model(path: Path, metadata: Metadata, local_state: Mapping[str, Any], strict: bool) -> list[str]:
+    """Check this rank's names and shapes against the checkpoint; the names to read."""
+    stored = metadata.state_dict_metadata
+    names = []
+    for name, value in local_state.items():
+        md = stored.get(_model_key(name))
+        if md is None:
+            if strict:
                 raise PipelineConfigError(
-                    f"checkpoint {str(path)!r} does not match the model: {name!r} has shape {tuple(md.size)} in the "
-                    f"checkpoint but {tuple(value.shape)} in the model."
+                    f"checkpoint {str(path)!r} does not match the model: the model's {name!r} is not in the "
+                    "checkpoint. Build the model the checkpoint was saved from, or set `strict_loading = False` "
+                    "on the LightningModule."
                 )
-            if isinstance(value, Tensor) and not isinstance(md, TensorStorageMetadata):
-                raise PipelineConfigError(
-                    f"checkpoint {str(path)!r} does not match the model: {name!r} is a tensor in the model but not "
-                    "in the checkpoint."
-                )
-            fqns.append(_model_key(name))
-            model.append(name)
-
-        optimizers = None
-        if fitting and "optimizer_states" in meta:
-            optimizers = self._plan_optimizers(path, metadata, meta["optimizer_states"])
-            fqns += [fqn for opt_plan in optimizers for entries in opt_plan["state"].values() for _, fqn in entries]
-
-        rng = None
-        if fitting:
-            saved_world = int(meta["mmpp"].get("world_size", 0))
-            if self.global_rank < saved_world:
-                rng_file = path / _rng_file(self.global_rank)
-                if not rng_file.is_file():
-                    raise FileNotFoundError(
-                        f"checkpoint {str(path)!r} is missing the RNG file {rng_file.name!r} of rank "
-                        f"{self.global_rank} ({str(rng_file)!r}); copy the whole checkpoint directory."
-                    )
-                rng = torch.load(rng_file, weights_only=True)
-        _check_files(path, metadata, fqns)
-        return {"fqns": fqns, "model": model, "optimizers": optimizers, "rng": rng}
-
-    def _plan_optimizers(
-        self, path: Path, metadata: Metadata, saved: Sequence[Mapping[str, Any]]
-    ) -> list[dict[str, Any]]:
-        if len(saved) != len(self.optimizers):
+            continue
+        if isinstance(value, Tensor) and not isinstance(md, TensorStorageMetadata):
             raise PipelineConfigError(
-                f"checkpoint {str(path)!r} holds {len(saved)} optimizer(s) but configure_optimizers returns "
-                f"{len(self.optimizers)}; resume with the optimizers the checkpoint was saved with."
+                f"checkpoint {str(path)!r} does not match the model: {name!r} is a tensor in the model but not "
+                "in the checkpoint."
             )
-        stored = _optim_index(metadata)
-        names_of = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        plans = []
-        for i, (optimizer, saved_opt) in enumerate(zip(self.optimizers, saved)):
-            opt = _unwrap(optimizer)
-            saved_groups = saved_opt["param_groups"]
-            if len(saved_groups) != len(opt.param_groups):
-                raise PipelineConfigError(
-                    f"checkpoint {str(path)!r}: optimizer {i} has {len(saved_groups)} parameter group(s) in the "
-                    f"checkpoint but {len(opt.param_groups)} now; resume with the same param groups."
-                )
-            state: dict[int, list[tuple[str, str]]] = {}
-            groups = []
-            idx = 0
-            for g, (group, saved_group) in enumerate(zip(opt.param_groups, saved_groups)):
-                members = set(saved_group["params"])
-                indices = []
-                for p in group["params"]:
-                    name = names_of.get(id(p))
-                    if name is None:
-                        raise PipelineConfigError(
-                            f"optimizer {i} holds a parameter that is not a parameter of the LightningModule; "
-                            "pipeline checkpoints key optimizer state by parameter name."
-                        )
-                    if name not in members:
-                        raise PipelineConfigError(
-                            f"checkpoint {str(path)!r}: parameter {name!r} is in group {g} of optimizer {i} but not "
-                            "in that group in the checkpoint; resume with the same param groups."
-                        )
-                    if (i, name) in stored:
-                        state[idx] = stored[(i, name)]
-                    indices.append(idx)
-                    idx += 1
-                groups.append({**_group_hyperparameters(saved_group), "params": indices})
-            plans.append({"state": state, "param_groups": groups})
-        return plans
+        if isinstance(value, Tensor) and tuple(value.shape) != tuple(md.size):
+            raise PipelineConfigError(
+                f"checkpoint {str(path)!r} does not match the model: {name!r} has shape {tuple(md.size)} in the "
+                f"checkpoint but {tuple(value.shape)} in the model."
+            )
+        names.append(name)
+    return names
 
 
-def _raise_first(reports: Sequence[Mapping[str, Any]], own: Optional[BaseException], rank: int) -> None:
-    """Raise on every rank when any rank failed: the first failing rank's error."""
-    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"] is not None]
-    if not failed:
-        return
-    first_rank, (kind, message) = failed[0]
-    if own is not None and rank == first_rank:
-        raise own
-    cls = {"FileNotFoundError": FileNotFoundError, "PipelineConfigError": PipelineConfigError}.get(kind)
-    if cls is not None:
-        raise cls(message) from own
-    raise RuntimeError(f"loading the checkpoint failed on rank {first_rank}: {kind}: {message}") from own
+def _plan_optimizers(
+    path: Path, metadata: Metadata, saved: Sequence[Mapping[str, Any]], templates: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per optimizer: which stored entries to read for which of its parameters, and its groups."""
+    if len(saved) != len(templates):
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} holds {len(saved)} optimizer(s) but configure_optimizers returns "
+            f"{len(templates)}; resume with the optimizers the checkpoint was saved with."
+        )
+    stored = _optim_index(metadata)
+    plans = []
+    for i, (template, saved_opt) in enumerate(zip(templates, saved)):
+        saved_groups = saved_opt["param_groups"]
+        if len(saved_groups) != len(template["param_groups"]):
+            raise PipelineConfigError(
+                f"checkpoint {str(path)!r}: optimizer {i} has {len(saved_groups)} parameter group(s) in the "
+                f"checkpoint but {len(template['param_groups'])} now; resume with the same param groups."
+            )
+        entries: dict[str, list[tuple[str, str]]] = {}
+        for g, (group, saved_group) in enumerate(zip(template["param_groups"], saved_groups)):
+            members = set(saved_group["params"])
+            for name in group["params"]:
+                if name not in members:
+                    raise PipelineConfigError(
+                        f"checkpoint {str(path)!r}: parameter {name!r} is in group {g} of optimizer {i} but not "
+                        "in that group in the checkpoint; resume with the same param groups."
+                    )
+                if (i, name) in stored:
+                    entries[name] = stored[(i, name)]
+        plans.append({"entries": entries, "saved_groups": saved_groups})
+    return plans
 
 
-def _prepare_directory(path: Path) -> None:
-    """Make ``path`` an empty-of-checkpoint-files directory (other files in it are left alone)."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    path.mkdir(parents=True, exist_ok=True)
-    for entry in path.iterdir():
-        if entry.is_file() and (
-            entry.name in (META_FILE, DCP_METADATA_FILE, META_FILE + ".tmp")
-            or _DCP_FILE_RE.fullmatch(entry.name)
-            or _RNG_FILE_RE.fullmatch(entry.name)
-        ):
-            entry.unlink()
+def load_checkpoint(
+    checkpoint_path: PathLike,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[Any],
+    layout: PipelineLayout,
+    rank: int,
+    device: torch.device,
+    fitting: bool,
+    strict: bool = True,
+    weights_only: Optional[bool] = None,
+) -> dict[str, Any]:
+    """Read the parameters (and, when ``fitting``, optimizer state and RNG) this rank owns.
+
+    Every rank must call this. The model's tensors are read in place; the returned Lightning
+    checkpoint dict holds them as ``state_dict`` and, when fitting, ``optimizer_states`` keyed by
+    name (for :func:`load_optimizer_states`). ``weights_only=None`` means ``True``: see the module
+    docstring. Any problem raises the same error on every rank before any tensor is read.
+    """
+    path_text = _broadcast(os.fspath(checkpoint_path))  # one path for all ranks
+    unsafe = weights_only is False
+    local_state = model_state_dict(model)
+    opts = [_unwrap(o) for o in optimizers]
+
+    # 1. every check that can fail, before any tensor is read; all ranks agree on the outcome
+    failure: Optional[BaseException] = None
+    plan: dict[str, Any] = {}
+    try:
+        path = _local_path(path_text)
+        manifest, metadata = _open_checkpoint(path)
+        assert manifest is not None
+        meta = _read_meta(path, manifest, weights_only=not unsafe)
+        plan["model"] = _plan_model(path, metadata, local_state, strict)
+        fqns = [_model_key(n) for n in plan["model"]]
+        plan["optimizers"] = None
+        if fitting and "optimizer_states" in meta:
+            plan["templates"] = [_local_optimizer_template(model, opt) for opt in opts]
+            plan["optimizers"] = _plan_optimizers(path, metadata, meta["optimizer_states"], plan["templates"])
+            fqns += [fqn for p in plan["optimizers"] for entries in p["entries"].values() for _, fqn in entries]
+        holds = _files_holding(metadata, fqns)
+        verify_files(path, manifest, list(holds), holds)
+        plan["rng"] = None
+        if fitting and rank < int(meta["mmpp"].get("world_size", 0)):  # a rank beyond it keeps its seed
+            verify_files(path, manifest, [_rng_file(rank)])
+            plan["rng"] = safe_torch_load(path / _rng_file(rank), weights_only=True, what="RNG states", checkpoint=path)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        failure = exc
+    reports = _all_gather({"error": _report(failure), "keys": list(local_state)})
+    _raise_first([r["error"] for r in reports], failure, rank)
+    if strict:
+        owned = {k for r in reports for k in r["keys"]}
+        unexpected = [
+            fqn[len(MODEL_PREFIX):] for fqn in metadata.state_dict_metadata
+            if fqn.startswith(MODEL_PREFIX) and fqn[len(MODEL_PREFIX):] not in owned
+        ]
+        if unexpected:
+            raise PipelineConfigError(
+                f"checkpoint {str(path)!r} does not match the model: it holds {unexpected[0]!r}, which the model "
+                f"does not have ({len(unexpected)} such entries). Build the model the checkpoint was saved from, "
+                "or set `strict_loading = False` on the LightningModule."
+            )
+
+    # 2. read this rank's entries (a collective), into the live tensors where they fit
+    stored = metadata.state_dict_metadata
+    flat: dict[str, Any] = {_model_key(n): _template(stored[_model_key(n)], local_state[n]) for n in plan["model"]}
+    for i, opt_plan in enumerate(plan["optimizers"] or []):
+        live = plan["templates"][i]["state"]
+        for name, entries in opt_plan["entries"].items():
+            for key, fqn in entries:
+                flat[fqn] = _template(stored[fqn], live.get(name, {}).get(key))
+    dcp_load(flat, path, distributed=_distributed(), weights_only=not unsafe)
+
+    checkpoint = dict(meta)
+    checkpoint["state_dict"] = {name: flat[_model_key(name)] for name in plan["model"]}
+    if plan["optimizers"] is not None:
+        checkpoint["optimizer_states"] = [
+            {
+                "state": {name: {key: flat[fqn] for key, fqn in entries} for name, entries in p["entries"].items()},
+                "param_groups": [
+                    {**_group_hyperparameters(saved), "params": list(group["params"])}
+                    for group, saved in zip(plan["templates"][i]["param_groups"], p["saved_groups"])
+                ],
+            }
+            for i, p in enumerate(plan["optimizers"])
+        ]
+    if plan["rng"] is not None:
+        _set_rng_state(plan["rng"], device)
+    return checkpoint
 
 
-# --- export ------------------------------------------------------------------------------------
+def load_model_state(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+    """Load a name-keyed state dict into this rank's part of the model."""
+    set_model_state_dict(model, dict(state_dict), options=StateDictOptions(strict=strict))
 
 
-def export_checkpoint(
-    checkpoint_dir: PathLike, out_path: PathLike, *, weights_only: Optional[bool] = None
-) -> Path:
+def load_optimizer_states(
+    model: nn.Module, optimizers: Sequence[Any], states: Sequence[Mapping[str, Any]], device: torch.device
+) -> None:
+    """Load name-keyed optimizer states (from :func:`load_checkpoint`) into this rank's optimizers.
+
+    torch's ``set_optimizer_state_dict`` refuses optimizers with more than one empty parameter
+    group, which partitioning creates (a rank holds none of a group's parameters), so the names
+    are mapped to the optimizer's positions here and ``Optimizer.load_state_dict`` does the rest.
+    """
+    for optimizer, state in zip(optimizers, states):
+        opt = _unwrap(optimizer)
+        position: dict[str, int] = {}
+        groups = []
+        for group in state["param_groups"]:
+            ids = []
+            for name in group["params"]:
+                position[name] = len(position)
+                ids.append(position[name])
+            groups.append({**_group_hyperparameters(group), "params": ids})
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
+            raise PipelineConfigError(
+                "the optimizer's parameter groups changed between loading the checkpoint and restoring it"
+            )
+        by_position = {position[name]: dict(s) for name, s in state["state"].items()}
+        opt.load_state_dict({"state": by_position, "param_groups": groups})
+        _optimizer_to_device(opt, device)
+
+
+# --- one process: tensors by name, export ----------------------------------------------------------
+
+
+def read_checkpoint_tensors(
+    checkpoint_dir: PathLike, names: Optional[Sequence[str]] = None, *, prefix: str = MODEL_PREFIX,
+    weights_only: bool = True, verify: bool = True,
+) -> dict[str, Any]:
+    """Read entries of a checkpoint directory on one process (no process group), verified.
+
+    Args:
+        checkpoint_dir: a directory written by :class:`~lightning_mmpp.MultiModulePipelineStrategy`.
+        names: the entries to read, without ``prefix`` (default: all under ``prefix``).
+        prefix: ``"model/"`` for the model's state (parameter names as in ``model.state_dict()``),
+            ``"optim/"`` for optimizer entries, ``""`` for raw DCP keys.
+        weights_only: ``False`` also unpickles non-tensor entries holding arbitrary objects.
+        verify: ``False`` reads a DCP directory without a manifest (one not written by this
+            package); the index is still read safely.
+
+    Returns:
+        ``{name: tensor or value}``. Only the files holding these entries are read, after their
+        size and CRC32 were checked against the manifest (``meta.pt`` is not read). Unknown
+        names raise ``PipelineConfigError``.
+    """
+    path = _local_path(checkpoint_dir)
+    manifest, metadata = _open_checkpoint(path, verify=verify)
+    stored = metadata.state_dict_metadata
+    wanted = [fqn[len(prefix):] for fqn in stored if fqn.startswith(prefix)] if names is None else list(names)
+    missing = [n for n in wanted if prefix + n not in stored]
+    if missing:
+        raise PipelineConfigError(
+            f"checkpoint {str(path)!r} has no entry {prefix + missing[0]!r} ({len(missing)} requested names are "
+            "missing)."
+        )
+    flat = _read_entries(path, manifest, metadata, [prefix + n for n in wanted], weights_only)
+    return {n: flat[prefix + n] for n in wanted}
+
+
+def _read_entries(
+    path: Path, manifest: Optional[Mapping[str, FileRecord]], metadata: Metadata, fqns: Sequence[str],
+    weights_only: bool,
+) -> dict[str, Any]:
+    """Verify the files holding ``fqns`` (with a manifest) and read them on this process alone."""
+    if manifest is not None:
+        holds = _files_holding(metadata, fqns)
+        verify_files(path, manifest, list(holds), holds)
+    flat = {fqn: _empty_like_stored(metadata.state_dict_metadata[fqn]) for fqn in fqns}
+    dcp_load(flat, path, distributed=False, weights_only=weights_only)
+    return flat
+
+
+def export_checkpoint(checkpoint_dir: PathLike, out_path: PathLike, *, weights_only: Optional[bool] = None) -> Path:
     """Turn a pipeline checkpoint directory into one ordinary Lightning checkpoint file.
 
     The file holds the full ``state_dict`` (original names), the optimizer states index-keyed
-    as the unpartitioned optimizer would have them, and everything else Lightning saved (loops,
-    callbacks, hyper-parameters, LR schedulers). Load it with ``MyModule.load_from_checkpoint``
-    or resume from it with a single-process ``Trainer.fit(ckpt_path=...)``. Runs on one
-    process; needs no process group.
+    in the model's parameter order (see the module docstring), and everything else Lightning
+    saved (loops, callbacks, hyper-parameters, LR schedulers). Load it with
+    ``MyModule.load_from_checkpoint`` or resume from it with a single-process
+    ``Trainer.fit(ckpt_path=...)``. Runs on one process; needs no process group.
 
     Args:
         checkpoint_dir: a directory written by :class:`~lightning_mmpp.MultiModulePipelineStrategy`.
         out_path: the file to write.
-        weights_only: passed to ``torch.load`` for ``meta.pt`` (``None``: torch's default).
+        weights_only: ``None``/``True``: read ``meta.pt`` and non-tensor entries as plain data
+            only; ``False``: unpickle any object in them (runs code stored there: trusted
+            checkpoints only).
 
     Returns:
         ``out_path`` as a :class:`~pathlib.Path`.
     """
     path = _local_path(checkpoint_dir)
-    metadata = _read_metadata(path)
-    meta = _load_meta(path, weights_only)
+    unsafe = weights_only is False
+    manifest, metadata = _open_checkpoint(path)
+    assert manifest is not None
+    meta = _read_meta(path, manifest, weights_only=not unsafe)
     fqns = [fqn for fqn in metadata.state_dict_metadata if fqn.startswith((MODEL_PREFIX, OPTIM_PREFIX))]
-    _check_files(path, metadata, fqns)
-    flat = {fqn: _empty_like_stored(metadata.state_dict_metadata[fqn]) for fqn in fqns}
-    _dcp_load(flat, path, no_dist=True)
+    flat = _read_entries(path, manifest, metadata, fqns, not unsafe)
 
     info = meta.get("mmpp", {})
     checkpoint = {k: v for k, v in meta.items() if k != "mmpp"}
-    stored_names = [fqn[len(MODEL_PREFIX):] for fqn in fqns if fqn.startswith(MODEL_PREFIX)]
-    order = _merge_names([info.get("state_dict_keys", []), stored_names], None)
+    order = list(dict.fromkeys(
+        [*info.get("state_dict_keys", []), *(f[len(MODEL_PREFIX):] for f in flat if f.startswith(MODEL_PREFIX))]
+    ))
     checkpoint["state_dict"] = {name: flat[_model_key(name)] for name in order if _model_key(name) in flat}
 
     if "optimizer_states" in meta:
-        stored = _optim_index(metadata)
+        for i, g in info.get("reordered_groups", []):
+            warnings.warn(
+                f"{str(path)!r}: some rank's optimizer {i} held group {g}'s parameters in another order than the "
+                "model's; the exported optimizer state is indexed in the model's order (what self.parameters() "
+                "gives). Build the single-process optimizer that way, or load only the weights.",
+                stacklevel=2,
+            )
+        stored = _optim_index_of(flat)
         optimizer_states = []
         for i, saved in enumerate(meta["optimizer_states"]):
             names = [n for group in saved["param_groups"] for n in group["params"]]
             index = {n: j for j, n in enumerate(names)}
-            state = {
-                index[n]: {key: flat[fqn] for key, fqn in stored[(i, n)]} for n in names if (i, n) in stored
-            }
+            state = {index[n]: {key: flat[fqn] for key, fqn in stored[(i, n)]} for n in names if (i, n) in stored}
             groups = [
                 {**_group_hyperparameters(group), "params": [index[n] for n in group["params"]]}
                 for group in saved["param_groups"]
@@ -709,3 +870,12 @@ def export_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, out)
     return out
+
+
+def _optim_index_of(flat: Mapping[str, Any]) -> dict[tuple[int, str], list[tuple[str, str]]]:
+    index: dict[tuple[int, str], list[tuple[str, str]]] = {}
+    for fqn in flat:
+        if fqn.startswith(OPTIM_PREFIX):
+            i, name, key = _parse_optim_key(fqn)
+            index.setdefault((i, name), []).append((key, fqn))
+    return index

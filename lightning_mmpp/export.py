@@ -1,6 +1,6 @@
 """Export a pipeline checkpoint directory to one ordinary Lightning ``.ckpt`` file.
 
-    python -m lightning_mmpp.export CKPT_DIR OUT.ckpt
+    python -m lightning_mmpp.export CKPT_DIR OUT.ckpt [--unsafe-load]
 
 The result loads with ``MyModule.load_from_checkpoint(OUT.ckpt)`` on one process, without the
 strategy, or resumes a single-process ``Trainer.fit(model, ckpt_path=OUT.ckpt)``. See
@@ -28,8 +28,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("out", help="the .ckpt file to write")
     parser.add_argument(
         "--unsafe-load", action="store_true",
-        help="load meta.pt with torch.load(weights_only=False), for checkpoints whose hooks saved arbitrary objects "
-        "(only for checkpoints you trust)",
+        help="also unpickle objects other than tensors and plain Python data (numbers, strings, lists, tuples, "
+        "dicts) in meta.pt (Lightning's loop, callback and hyper-parameter state) and in non-tensor DCP entries, "
+        "i.e. torch.load(weights_only=False): this can run arbitrary code stored in those files. Needed only when "
+        "an on_save_checkpoint hook or a hyper-parameter stored such objects; use it only for checkpoints you "
+        "trust. The index (.metadata) and RNG files are always read with the safe loader, and every file is still "
+        "checked against the manifest.",
     )
     args = parser.parse_args(argv)
     try:

@@ -12,28 +12,51 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.hooks import pipeline_loss_caller
 from lightning_mmpp.topology import ModuleTopology
+
+_NOT_GIVEN: Any = object()
 
 
 def run_unpipelined(
-    model: nn.Module, topology: Mapping[str, Sequence[str]] | ModuleTopology, batch: Any
+    model: nn.Module,
+    topology_or_batch: Mapping[str, Sequence[str]] | ModuleTopology | Any,
+    batch: Any = _NOT_GIVEN,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Return ``(loss, outputs)``: the summed sink losses and every module's output.
 
-    ``pipeline_loss`` may return a dict; its ``"loss"`` is used.
+    Call it as ``run_unpipelined(model, batch)`` when the model declares its wiring as
+    ``pipeline_topology``, or ``run_unpipelined(model, topology, batch)``. ``pipeline_loss``
+    may return a dict; its ``"loss"`` is used.
     """
+    if batch is _NOT_GIVEN:
+        batch, topology = topology_or_batch, getattr(model, "pipeline_topology", None)
+        if topology is None:
+            raise PipelineConfigError(
+                f"run_unpipelined(model, batch) needs {type(model).__name__}.pipeline_topology; declare it or call "
+                "run_unpipelined(model, topology, batch)."
+            )
+    else:
+        topology = topology_or_batch
     topo = topology if isinstance(topology, ModuleTopology) else ModuleTopology(topology)
+    pipeline_loss = pipeline_loss_caller(model)
     outputs: dict[str, Any] = {}
     loss: Tensor | None = None
     for module in topo.order:
         upstream = {u: outputs[u] for u in topo.upstream(module)}
         x = model.pipeline_inputs(module, batch, upstream)  # type: ignore[operator]
-        for layer in getattr(model, module):
+        for layer in _layers(getattr(model, module)):
             x = layer(x)
         outputs[module] = x
         if not topo.downstream(module):
-            result = model.pipeline_loss(x, batch)  # type: ignore[operator]
+            result = pipeline_loss(module, x, batch)
             value = result["loss"] if isinstance(result, Mapping) else result
             loss = value if loss is None else loss + value
     assert loss is not None
     return loss, outputs
+
+
+def _layers(container: nn.Module) -> Any:
+    """The layers of a module: its children in order, or the module itself when it is one layer."""
+    return container if isinstance(container, (nn.Sequential, nn.ModuleList)) else [container]

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.hooks import pipeline_loss_caller
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
 from lightning_mmpp.trace import NULL_TRACER, PHASE_SPANS, Tracer
@@ -45,7 +46,8 @@ class PipelineHooks(Protocol):
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any: ...
 
-    def pipeline_loss(self, output: Any, batch: Any) -> Tensor | dict[str, Tensor]: ...
+    # ``pipeline_loss(module, output, batch)``, or the older ``pipeline_loss(output, batch)``
+    def pipeline_loss(self, *args: Any) -> Tensor | dict[str, Tensor]: ...
 
 
 class Communicator(Protocol):
@@ -253,6 +255,7 @@ class PipelineRuntime:
             module for module in runners if layout.is_loss_stage(layout.slot(rank, module))
         }
         self.hooks = hooks
+        self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
         self.multiple_sinks = len(layout.topology.sinks) > 1
 
     def run(
@@ -328,7 +331,7 @@ class PipelineRuntime:
         if loss_stage and step.keep_sink_outputs:
             step.result.sink_outputs.setdefault(k, {})[module] = out
         if loss_stage and step.compute_loss:
-            loss, metrics = _loss_and_metrics(self.hooks.pipeline_loss(out, step.shard(module, k)), module)
+            loss, metrics = _loss_and_metrics(self.pipeline_loss(module, out, step.shard(module, k)), module)
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
             if step.training:
                 step.losses[(module, k)] = loss * scale

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -27,21 +27,28 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils._pytree import tree_map
 
-from lightning_mmpp.checkpoint import PipelineCheckpointMixin
+from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
-from lightning_mmpp.data_parallel import sum_gradients
+from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.loops import install_pipeline_optimization
+from lightning_mmpp.metrics import MetricReducer
+from lightning_mmpp.microbatch import (
+    batch_size_of,
+    microbatch_count,
+    same_order_on_every_rank,
+    slice_batch,
+    split_microbatches,
+    unwrap_unsplit,
+)
+from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.runtime import PipelineRuntime, StepResult
@@ -51,55 +58,52 @@ from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
 log = logging.getLogger(__name__)
 
-
-def batch_size_of(batch: Any) -> int:
-    """The size of dim 0 shared by every tensor leaf of ``batch``."""
-    leaves, _ = tree_flatten(batch)
-    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
-    if not sizes:
-        raise PipelineConfigError("the batch holds no tensor with a batch dimension; the pipeline splits dim 0.")
-    if len(sizes) > 1:
-        raise PipelineConfigError(f"the batch's tensors disagree on dim 0 (sizes {sorted(sizes)}); they must agree.")
-    return sizes.pop()
+# The models this process has partitioned, with (layout, rank, partition): a partitioned model
+# keeps only its rank's layers, so it can be reused by the strategy that partitioned it (fit,
+# then validate/test/predict) and by no other. Weak keys: the entry goes with the model.
+_PARTITIONED: "weakref.WeakKeyDictionary[Any, tuple[PipelineLayout, int, Partition]]" = weakref.WeakKeyDictionary()
 
 
-def microbatch_count(batch_size: int, num_microbatches: int, divisor: int, short: bool = False) -> int:
-    """The number of microbatches for a batch: ``num_microbatches``, or fewer for a short batch.
+class _GlobalNormClipping:
+    """Placed before the run's precision class: clip by the norm of the whole pipeline's gradient.
 
-    Every microbatch must split evenly over every dp size (``divisor`` = their lcm). A full batch
-    must divide by ``num_microbatches * divisor``. A ``short`` batch (the last one, with
-    ``drop_last=False``) runs with the largest count <= ``num_microbatches`` that divides it;
-    metrics weight each batch by its samples, so averages stay exact.
+    Lightning clips through ``Precision.clip_gradients`` (called from the module's
+    ``configure_gradient_clipping``); the precision plugin's own norm would cover this rank's
+    stages only. The strategy runs a copy of the user's plugin whose class adds this override.
     """
-    if batch_size % divisor or (not short and batch_size % (num_microbatches * divisor)):
-        raise PipelineConfigError(
-            f"a batch of {batch_size} samples cannot be split evenly over the dp replicas (every microbatch must "
-            f"divide by lcm(dp sizes) = {divisor}); use a batch size that is a multiple of "
-            f"{num_microbatches * divisor} (drop_last=True in the DataLoader avoids a short last batch)."
-        )
-    return max(m for m in range(1, num_microbatches + 1) if batch_size % (m * divisor) == 0)
+
+    pipeline_strategy: "MultiModulePipelineStrategy"
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        self.pipeline_strategy.clip_grad_by_norm(float(clip_val))
 
 
-def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
-    """Split every tensor leaf of ``batch`` along dim 0 into ``num_microbatches`` equal parts.
-
-    Non-tensor leaves are handed unchanged to every microbatch.
-    """
-    leaves, spec = tree_flatten(batch)
-    per = batch_size_of(batch) // num_microbatches
-    out = []
-    for k in range(num_microbatches):
-        part = [leaf[k * per:(k + 1) * per] if isinstance(leaf, Tensor) and leaf.dim() > 0 else leaf for leaf in leaves]
-        out.append(spec.unflatten(part))
-    return out
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the class is made at run time: pickle (spawn launcher) rebuilds it from the user's class
+        return _new_clipping_plugin, (type(self).__mro__[2],), dict(self.__dict__)
 
 
-def slice_batch(batch: Any, index: slice) -> Any:
-    leaves, spec = tree_flatten(batch)
-    return spec.unflatten([x[index] if isinstance(x, Tensor) and x.dim() > 0 else x for x in leaves])
+_CLIPPING_CLASSES: dict[type, type] = {}
 
 
-class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
+def _new_clipping_plugin(cls: type) -> Any:
+    if cls not in _CLIPPING_CLASSES:
+        _CLIPPING_CLASSES[cls] = type(cls.__name__, (_GlobalNormClipping, cls), {"__module__": cls.__module__})
+    return object.__new__(_CLIPPING_CLASSES[cls])
+
+
+def _with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipelineStrategy") -> Precision:
+    """A copy of ``plugin`` (sharing its state, e.g. a scaler) that clips by the global norm."""
+    if isinstance(plugin, _GlobalNormClipping):
+        plugin.pipeline_strategy = strategy
+        return plugin
+    clone = _new_clipping_plugin(type(plugin))
+    clone.__dict__.update(plugin.__dict__)
+    clone.pipeline_strategy = strategy
+    return clone
+
+
+class MultiModulePipelineStrategy(ParallelStrategy):
     """Train a multi-module LightningModule with multi-module pipeline parallelism.
 
     Each module (an ``nn.Sequential`` / ``nn.ModuleList`` attribute of the LightningModule
@@ -108,7 +112,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     Args:
         placements: ``{module: ModulePlacement(pp, dp, rank_offset)}``.
-        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss.
+        topology: ``{module: [downstream modules]}``, a DAG whose sinks compute the loss. May be
+            omitted when the LightningModule declares it as ``pipeline_topology``; if both are
+            given they must agree.
         num_microbatches: microbatches per global batch.
         schedule: ``"1f1b"`` or ``"gpipe"``.
         stage_numbering: ``"alap"`` (default) or ``"asap"``; which global stage index bounds the
@@ -127,8 +133,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     def __init__(
         self,
         placements: Mapping[str, ModulePlacement],
-        topology: Mapping[str, Sequence[str]],
-        num_microbatches: int,
+        topology: Optional[Mapping[str, Sequence[str]]] = None,
+        num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         *,
         stage_numbering: Literal["alap", "asap"] = "alap",
@@ -149,10 +155,12 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_schedule_args(schedule, num_microbatches, stage_numbering)
+        check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
         if start_method not in ("popen", "spawn", "fork"):
             raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
-        self.layout = PipelineLayout(placements, topology)
+        self._placements = placements
+        # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
+        self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.stage_numbering = stage_numbering
@@ -170,16 +178,51 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         # short last batch
         self._largest_batch: dict[str, int] = {}
         self._in_pipeline_step = False
-        self._metric_names: dict[str, list[str]] = {}
-        self._batch_divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+        self._gradients: Optional[StageGradients] = None
+        self._metrics: Optional[MetricReducer] = None
+        self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
     @property
+    def layout(self) -> PipelineLayout:
+        """The placement of every module on ranks (known once a topology is: see ``topology``)."""
+        if self._layout is None:
+            raise PipelineConfigError(
+                "MultiModulePipelineStrategy(topology=None) has no topology until the Trainer connects the model; "
+                "declare `pipeline_topology` on the LightningModule or pass topology= to the strategy."
+            )
+        return self._layout
+
+    @property
     def topology(self) -> ModuleTopology:
         return self.layout.topology
+
+    def _resolve_topology(self, model: Any) -> None:
+        """Take the model's ``pipeline_topology``; check it against the strategy's ``topology=``."""
+        declared = getattr(model, "pipeline_topology", None)
+        if declared is None:
+            if self._layout is None:
+                raise PipelineConfigError(
+                    f"MultiModulePipelineStrategy has no topology: declare `pipeline_topology = {{module: "
+                    f"[downstream modules]}}` on {type(model).__name__} or pass topology= to the strategy."
+                )
+            return
+        try:
+            ours = ModuleTopology(declared)
+        except PipelineConfigError as err:
+            raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
+        if self._layout is None:
+            self._layout = PipelineLayout(self._placements, ours)
+            return
+        theirs = self._layout.topology
+        if _edges(ours) != _edges(theirs):
+            raise PipelineConfigError(
+                f"{type(model).__name__}.pipeline_topology {_edges(ours)} and the strategy's topology= "
+                f"{_edges(theirs)} disagree; pass only one (the model's is enough) or make them equal."
+            )
 
     @property
     def is_distributed(self) -> bool:
@@ -187,6 +230,16 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         # loads the same global batch, in the order the user's sampler gives
         # (see ``process_dataloader``).
         return False
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = _with_global_norm_clipping(Precision(), self)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if precision_plugin is None else _with_global_norm_clipping(precision_plugin, self)
 
     @property
     def root_device(self) -> torch.device:
@@ -211,23 +264,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Give a shuffling DataLoader the same order on every rank.
-
-        A ``RandomSampler`` without its own generator draws from each process's global RNG,
-        which differs across ranks; it is replaced by a sampler seeded from the run's seed
-        (``seed_everything``, else 0) and re-shuffled each epoch. Sequential and user-seeded
-        samplers are kept as they are.
-        """
-        if (
-            isinstance(dataloader, DataLoader)
-            and isinstance(dataloader.sampler, RandomSampler)
-            and dataloader.sampler.generator is None
-            and not dataloader.sampler.replacement
-        ):
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-            return _update_dataloader(dataloader, sampler)
-        return dataloader
+        """Every rank loads the same global batch: see :func:`~lightning_mmpp.microbatch.same_order_on_every_rank`."""
+        return same_order_on_every_rank(dataloader)
 
     @property
     def communicator(self) -> Optional[MultiModuleCommunicator]:
@@ -278,7 +316,6 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             install_pipeline_optimization(trainer)
-        self._install_gradient_clipping()
         # Lightning suggests sync_dist=True for epoch-level values; the strategy's metrics are
         # identical on every rank already, so that advice (and its extra all-reduce) does not apply
         warnings.filterwarnings(
@@ -289,6 +326,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._schedules = {}
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
+        self._gradients = self._stage_gradients()
+        self._metrics = MetricReducer(self.world_size, self.root_device)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
@@ -296,13 +335,17 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         )
 
     def connect(self, model: Any) -> None:
-        """Attach the model; give it placeholder step methods Lightning's checks look for.
+        """Attach the model; give it placeholder step methods for this Trainer call.
 
-        The strategy runs its own pipelined training/validation/test steps, so the module only
-        needs the pipeline hooks. A missing ``training_step`` / ``validation_step`` /
-        ``test_step`` that the current Trainer call will run (validation only when there is
-        validation data) is bound to a placeholder that explains this if called directly.
+        The strategy runs its own pipelined training/validation/test/predict steps, so the
+        module only needs the pipeline hooks. Lightning, however, enables a loop only when the
+        module overrides its step method (``training_step``, ``validation_step`` when there is
+        validation data, ``test_step``; ``predict_step`` or ``forward`` for predict). For the
+        duration of the Trainer call, each missing one the call will run is bound on the
+        instance to a placeholder that explains this if called directly; ``teardown`` removes
+        them again.
         """
+        self._resolve_topology(model)
         trainer = getattr(model, "_trainer", None)
         if trainer is not None:
             fn = trainer.state.fn
@@ -311,11 +354,18 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
                 "training_step": fn == TrainerFn.FITTING,
                 "validation_step": fn == TrainerFn.VALIDATING or (fn == TrainerFn.FITTING and val_data),
                 "test_step": fn == TrainerFn.TESTING,
+                "predict_step": fn == TrainerFn.PREDICTING and not is_overridden("forward", model),
             }
             for name, wanted in needed.items():
                 if wanted and not is_overridden(name, model):
-                    setattr(model, name, types.MethodType(_run_by_strategy(name), model))
+                    setattr(model, name, types.MethodType(_run_by_strategy, model))
+                    self._placeholder_steps.append((model, name))
         super().connect(model)
+
+    def _remove_placeholder_steps(self) -> None:
+        for model, name in self._placeholder_steps:
+            model.__dict__.pop(name, None)
+        self._placeholder_steps = []
 
     def _check_fit_configuration(self, trainer: Any) -> None:
         lm = self.lightning_module
@@ -338,7 +388,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     def _partition_model(self) -> None:
         lm = self.lightning_module
-        cached = getattr(lm, "_mmpp_partition", None)
+        cached = _PARTITIONED.get(lm)
         if cached is not None and cached[0] is self.layout and cached[1] == self.global_rank:
             self._partition = cached[2]
             return
@@ -348,7 +398,19 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
                 "build a fresh model for a new layout."
             )
         self._partition = partition_model(lm, self.layout, self.global_rank)
-        lm._mmpp_partition = (self.layout, self.global_rank, self._partition)
+        _PARTITIONED[lm] = (self.layout, self.global_rank, self._partition)
+
+    def _stage_gradients(self) -> StageGradients:
+        """This rank's stage parameters by dp group; replica 0's count in the global norm."""
+        assert self._partition is not None
+        by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        counted: list[torch.nn.Parameter] = []
+        for module, runner in self._partition.runners.items():
+            by_group.setdefault(self.layout.dp_group(module, runner.stage), []).extend(runner.parameters())
+            slot = self.layout.slot(self.global_rank, module)
+            if slot is not None and slot.replica == 0:
+                counted.extend(runner.parameters())
+        return StageGradients(by_group, counted, self._dp_groups, self.world_size)
 
     def _filter_optimizers(self) -> None:
         assert self._partition is not None
@@ -380,16 +442,17 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         size = batch_size_of(batch)
         kind = "predict" if predict else "eval" if forward_only else "train"
         largest = self._largest_batch.get(kind, 0)
-        m = microbatch_count(size, self.num_microbatches, self._batch_divisor, short=size < largest)
+        divisor = math.lcm(*(p.dp for p in self.layout.placements.values()))
+        m = microbatch_count(size, self.num_microbatches, divisor, short=size < largest)
         self._largest_batch[kind] = max(largest, size)
         micro = split_microbatches(batch, m)
-        per = batch_size_of(batch) // m
+        per = size // m
         rank = self.global_rank
 
         def shard(module: str, k: int) -> Any:
             slot = self.layout.slot(rank, module)
             assert slot is not None
-            return slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per))
+            return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
 
         self._in_pipeline_step = True
         result = self._runtime.run(
@@ -400,29 +463,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         self._comm.discard_backward_state()  # specs of channels that carried no gradient
         return result
 
-    def reduce_metrics(self, local: Mapping[str, Tensor], stage: str) -> dict[str, Tensor]:
-        """Sum every rank's metric shares over the world, so every rank holds the same values.
-
-        Only sink ranks know the metric names. They are gathered once per stage and cached;
-        the one all-reduce per step carries a flag that is non-zero when any rank saw a name
-        outside the cache, and then the names are gathered again.
-        """
-        names = self._metric_names.get(stage, [])
-        while True:
-            unknown = float(any(n not in names for n in local))
-            zero = torch.zeros((), device=self.root_device)
-            values = [local[n].to(self.root_device, torch.float32) if n in local else zero for n in names]
-            vector = torch.stack(values + [torch.tensor(unknown, device=self.root_device)])
-            if self.world_size > 1:
-                dist.all_reduce(vector, op=ReduceOp.SUM)
-            if vector[-1].item() == 0:
-                return {n: vector[i] for i, n in enumerate(names)}
-            gathered: list[Any] = [sorted(local)]
-            if self.world_size > 1:
-                gathered = [None] * self.world_size
-                dist.all_gather_object(gathered, sorted(local))
-            names = sorted({n for part in gathered for n in part})
-            self._metric_names[stage] = names
+    def reduce_metrics(self, local: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
+        """The step's metrics, identical on every rank (see :mod:`lightning_mmpp.metrics`)."""
+        assert self._metrics is not None
+        return self._metrics.reduce(local, kind)
 
     def _log_metrics(self, prefix: str, metrics: Mapping[str, Tensor], batch_size: int, on_step: bool) -> None:
         lm = self.lightning_module
@@ -451,12 +495,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     def synchronize_gradients(self) -> None:
         """Sum each module's gradients over its dp group (colocated modules share one reduction)."""
-        assert self._partition is not None
-        by_group: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        for module, runner in self._partition.runners.items():
-            ranks = self.layout.dp_group(module, runner.stage)
-            by_group.setdefault(ranks, []).extend(runner.parameters())
-        sum_gradients(by_group, self._dp_groups)
+        assert self._gradients is not None
+        self._gradients.synchronize()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; the closure runs the whole pipeline step inside it.
@@ -530,35 +570,58 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
             outputs[sink] = concat_payloads(ordered, dim=self.layout.placements[sink].batch_dim)
         return outputs[self.layout.topology.sinks[0]] if len(outputs) == 1 else outputs
 
-    # --- gradient clipping over the whole model --------------------------------------------
+    def clip_grad_by_norm(self, max_norm: float) -> Tensor:
+        """Clip by the global gradient norm over every module and rank, dp replicas counted once.
 
-    def _install_gradient_clipping(self) -> None:
-        plugin = self.precision_plugin
-        if getattr(plugin, "_mmpp_clipping", None) is self:
-            return
-        plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
-        plugin._mmpp_clipping = self
+        Lightning's gradient clipping (``gradient_clip_val``, ``configure_gradient_clipping``)
+        arrives here through the precision plugin (see :class:`_GlobalNormClipping`).
+        """
+        assert self._gradients is not None
+        return self._gradients.clip_norm_(max_norm, self.root_device)
 
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
-        """Clip by the global gradient norm over every module and rank, dp replicas counted once."""
-        assert self._partition is not None
-        squares = torch.zeros((), device=self.root_device, dtype=torch.float32)
-        grads: list[Tensor] = []
-        for module, runner in self._partition.runners.items():
-            slot = self.layout.slot(self.global_rank, module)
-            assert slot is not None
-            for p in runner.parameters():
-                if p.grad is None:
-                    continue
-                grads.append(p.grad)
-                if slot.replica == 0:
-                    squares += p.grad.detach().float().pow(2).sum()
-        if self.world_size > 1:
-            dist.all_reduce(squares, op=ReduceOp.SUM)
-        total = squares.sqrt()
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+    # --- checkpoint hooks (the work is done by lightning_mmpp.checkpoint) -----------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # the model is partitioned in ``setup``: a rank loads only what it owns, after that
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return _checkpoint.model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the checkpoint is "
+                "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+            )
+        _checkpoint.save_checkpoint(
+            checkpoint, filepath, model=self.lightning_module, layout=self.layout, rank=self.global_rank,
+            device=self.root_device,
+        )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        lm = self.lightning_module
+        trainer = getattr(lm, "_trainer", None)
+        return _checkpoint.load_checkpoint(
+            checkpoint_path, model=lm, optimizers=self.optimizers, layout=self.layout, rank=self.global_rank,
+            device=self.root_device, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+            strict=bool(getattr(lm, "strict_loading", True)), weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        _checkpoint.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        _checkpoint.load_optimizer_states(
+            self.lightning_module, self.optimizers, checkpoint["optimizer_states"], self.root_device
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        _checkpoint.remove_checkpoint(filepath, rank=self.global_rank)
 
     # --- collectives Lightning asks for ----------------------------------------------------
 
@@ -599,6 +662,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
 
     def teardown(self) -> None:
         self._write_trace()
+        self._remove_placeholder_steps()
         for group in self._dp_groups.values():
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
@@ -606,6 +670,11 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
         super().teardown()
 
     def __str__(self) -> str:
+        if self._layout is None:
+            return (
+                f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
+                f"placements={dict(self._placements)}, topology from the model)"
+            )
         return (
             f"MultiModulePipelineStrategy(schedule={self.schedule_name!r}, num_microbatches={self.num_microbatches}, "
             f"world_size={self.layout.world_size})\n{self.layout.table()}"
@@ -614,15 +683,19 @@ class MultiModulePipelineStrategy(PipelineCheckpointMixin, ParallelStrategy):
     __repr__ = __str__
 
 
+def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
+    """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
+    return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}
+
+
 def _to_cpu(payload: Any) -> Any:
     return tree_map(lambda x: x.detach().cpu() if isinstance(x, Tensor) else x, payload)
 
 
-def _run_by_strategy(name: str) -> Any:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{type(self).__name__}.{name} is run by MultiModulePipelineStrategy as a pipelined step; it was bound "
-            "only so Lightning enables the loop. Define it yourself to use the module without the strategy."
-        )
-
-    return step
+def _run_by_strategy(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The placeholder step bound by :meth:`MultiModulePipelineStrategy.connect`."""
+    raise RuntimeError(
+        f"{type(self).__name__} has no step method of its own: MultiModulePipelineStrategy runs the pipelined "
+        "step and bound this placeholder only so Lightning enables the loop. Define the step yourself to use the "
+        "module without the strategy."
+    )

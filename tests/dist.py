@@ -127,6 +127,9 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    unmarked = os.environ.get("MMPP_TEST_UNMARKED")
+    if unmarked:
+        raise AssertionError(f"{unmarked} launches processes: mark it @pytest.mark.distributed")
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     procs: list[multiprocessing.process.BaseProcess] = []

@@ -72,6 +72,7 @@ class MultiModalModel(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()  # load_from_checkpoint rebuilds the model from these
         self.topology = {k: list(v) for k, v in topology.items()}
+        self.pipeline_topology = self.topology  # the wiring is a property of the model
         self.lr = lr
         self.optimizer_name = optimizer
         self.scheduler = scheduler
@@ -104,8 +105,8 @@ class MultiModalModel(L.LightningModule):
             return {"h": h, "ids": batch["ids"]}
         return upstream["llm"]
 
-    def pipeline_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if output.shape[-1] == VOCAB:
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if module == "llm":
             loss = F.cross_entropy(output.reshape(-1, VOCAB), batch["target"].reshape(-1))
         else:
             loss = F.mse_loss(output.mean(1) if output.dim() == 3 else output, batch["y"])
@@ -114,22 +115,22 @@ class MultiModalModel(L.LightningModule):
     # --- single-process reference ----------------------------------------------------------
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, _ = run_unpipelined(self, self.topology, batch)
+        loss, _ = run_unpipelined(self, batch)
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, _ = run_unpipelined(self, self.topology, batch)
+        loss, _ = run_unpipelined(self, batch)
         self.log("val_loss", loss)
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, _ = run_unpipelined(self, self.topology, batch)
+        loss, _ = run_unpipelined(self, batch)
         self.log("test_loss", loss)
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        _, outputs = run_unpipelined(self, self.topology, batch)
+        _, outputs = run_unpipelined(self, batch)
         return outputs[[m for m, d in self.topology.items() if not d][0]]
 
     def configure_optimizers(self) -> Any:
@@ -166,3 +167,63 @@ class SyntheticDataset(Dataset):
 def make_loader(topology: Mapping[str, Sequence[str]], batch_size: int, size: int) -> DataLoader:
     encoders = [m for m in topology if m.startswith("enc")]
     return DataLoader(SyntheticDataset(size, encoders), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+class NamedSamples(Dataset):
+    """``SyntheticDataset`` samples with a per-sample string ``name`` and their index ``idx``:
+    collated, ``name`` is a list of strings the strategy must split with the samples."""
+
+    def __init__(self, size: int, encoders: Sequence[str], seed: int = 0) -> None:
+        self.inner = SyntheticDataset(size, encoders, seed)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.inner[i], "name": f"s{i}", "idx": i}
+
+
+class AlignmentCheckingModel(MultiModalModel):
+    """Fails if a hook sees a ``name`` list that does not match the samples it was given."""
+
+    def _check(self, batch: dict[str, Any]) -> None:
+        expected = [f"s{i}" for i in batch["idx"].tolist()]
+        if batch["name"] != expected:
+            raise ValueError(f"misaligned per-sample names: {batch['name']} for samples {expected}")
+        self.checked = getattr(self, "checked", 0) + 1
+
+    def pipeline_inputs(self, module: str, batch: dict[str, Any], upstream: dict[str, Any]) -> Any:
+        self._check(batch)
+        return super().pipeline_inputs(module, batch, upstream)
+
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self._check(batch)
+        return super().pipeline_loss(module, output, batch)
+
+
+class DtypeRecordingModel(MultiModalModel):
+    """Records the dtype of every activation the hooks see: ``(module, "upstream:<src>" | "output", dtype)``."""
+
+    def pipeline_inputs(self, module: str, batch: dict[str, Any], upstream: dict[str, Any]) -> Any:
+        for src, value in upstream.items():
+            self._record(module, f"upstream:{src}", value.dtype)
+        return super().pipeline_inputs(module, batch, upstream)
+
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self._record(module, "output", output.dtype)
+        return super().pipeline_loss(module, output, batch)
+
+    def _record(self, module: str, what: str, dtype: torch.dtype) -> None:
+        if not hasattr(self, "seen_dtypes"):
+            self.seen_dtypes: set[tuple[str, str, str]] = set()
+        self.seen_dtypes.add((module, what, str(dtype)))
+
+
+class BatchRecorder(L.Callback):
+    """Records the ``idx`` field of every training batch this rank loaded."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch["idx"].tolist())

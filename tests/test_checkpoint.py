@@ -11,10 +11,13 @@ Three launches share one temporary directory (module fixtures):
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import lightning as L
@@ -27,6 +30,8 @@ from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, run_unp
 from lightning_mmpp.checkpoint import export_checkpoint
 from tests.dist import run_distributed
 from tests.models import HIDDEN, VOCAB, MultiModalModel, make_loader
+
+pytestmark = pytest.mark.distributed  # every test here launches processes
 
 P = ModulePlacement
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}
@@ -62,6 +67,16 @@ def _trainer(layout, epochs: int, callbacks=()) -> L.Trainer:
         callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
+
+
+class _Executes:
+    """Unpickling this would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -135,9 +150,11 @@ def _run_a(rank, world, root: Path) -> dict:
     out["params6"], out["rng6"] = _params(model), snap.rng
 
     saver = ModelCheckpoint(dirpath=root / "ckpt_a", filename=FILENAME)
+    # last.ckpt rewritten after every step: each save replaces the previous one atomically
+    last = ModelCheckpoint(dirpath=root / "last", save_top_k=0, save_last=True, every_n_train_steps=1)
     model = _model()
     _seed_per_rank(rank)
-    trainer = _trainer(LAYOUT_A, 1, [saver])
+    trainer = _trainer(LAYOUT_A, 1, [saver, last])
     trainer.fit(model, _loader())
     out["ckpt"] = saver.best_model_path
     out["train_loss"] = float(trainer.callback_metrics["train_loss"])
@@ -175,7 +192,7 @@ def _run_b(rank, world, root: Path, ckpt_a: str) -> dict:
     return out
 
 
-def _run_a_again(rank, world, ckpt_a: str, ckpt_b: str, broken: str) -> dict:
+def _run_a_again(rank, world, ckpt_a: str, ckpt_b: str, broken: dict[str, str]) -> dict:
     out: dict = {}
     snap = _Snapshot()
     model = _model()
@@ -190,7 +207,7 @@ def _run_a_again(rank, world, ckpt_a: str, ckpt_b: str, broken: str) -> dict:
     for label, make, path in (
         ("names", lambda: _model(llm_layers=5), ckpt_a),
         ("shapes", _WideHead, ckpt_a),
-        ("missing", _model, broken),
+        *((label, _model, path) for label, path in broken.items()),
     ):
         try:
             _trainer(LAYOUT_A, 2).fit(make(), _loader(), ckpt_path=path)
@@ -228,10 +245,17 @@ def test_save_under_the_strategy(run_a):
     assert ckpt.name == f"epoch=0-step=3-train_loss={losses.pop():.3f}.ckpt"
     assert ckpt.is_dir()
     files = sorted(os.listdir(ckpt))
-    assert {".metadata", "meta.pt", *(f"rng_rank{r}.pt" for r in range(4))} <= set(files)
+    assert {".metadata", "meta.pt", "manifest.json", *(f"rng_rank{r}.pt" for r in range(4))} <= set(files)
     assert any(re.fullmatch(r"__\d+_0\.distcp", f) for f in files)
     assert run_a[0]["extra_files"] == files
     assert all(r["extra_removed"] for r in run_a)
+    assert sorted(os.listdir(ckpt.parent)) == [ckpt.name]  # no staging directories left behind
+    last = ckpt.parent.parent / "last"
+    assert os.listdir(last) == ["last.ckpt"]
+    assert torch.load(last / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 3
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(set(files) - {"manifest.json"})
+    assert all(entry["size"] == (ckpt / name).stat().st_size for name, entry in manifest["files"].items())
 
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["global_step"] == 3 and "state_dict" not in meta
@@ -254,16 +278,30 @@ def test_save_under_the_strategy(run_a):
 @pytest.mark.timeout(240)
 def test_resume_exactly_and_on_other_placements_and_errors(root, run_a, run_b):
     ckpt_a = run_a[0]["ckpt"]
-    broken = root / "broken.ckpt"
-    shutil.copytree(ckpt_a, broken)
-    reader = torch.distributed.checkpoint.FileSystemReader(str(broken))
+    reader = torch.distributed.checkpoint.FileSystemReader(str(ckpt_a))
     shard = next(
         info.relative_path for index, info in reader.read_metadata().storage_data.items()
         if index.fqn == "model/llm.4.out.weight"
     )
-    (broken / shard).unlink()
+    broken = {label: root / f"{label}.ckpt" for label in ("missing", "truncated", "crafted")}
+    for path in broken.values():
+        shutil.copytree(ckpt_a, path)
+    (broken["missing"] / shard).unlink()
+    with open(broken["truncated"] / shard, "r+b") as f:
+        f.truncate(64)
+    with open(broken["crafted"] / ".metadata", "wb") as f:
+        pickle.dump(_Executes(root / "executed"), f)
+    manifest = json.loads((broken["crafted"] / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {  # what an attacker would do
+        "size": (broken["crafted"] / ".metadata").stat().st_size,
+        "crc32": f"{zlib.crc32((broken['crafted'] / '.metadata').read_bytes()):08x}",
+    }
+    (broken["crafted"] / "manifest.json").write_text(json.dumps(manifest))
 
-    run_a2 = run_distributed(_run_a_again, 4, ckpt_a, run_b[0]["ckpt"], str(broken), timeout=180, init_pg=False)
+    run_a2 = run_distributed(
+        _run_a_again, 4, ckpt_a, run_b[0]["ckpt"], {k: str(v) for k, v in broken.items()}, timeout=180,
+        init_pg=False,
+    )
 
     params3, params6 = _merge(run_a, "params3"), _merge(run_a, "params6")
     # A -> A: bit for bit the uninterrupted run
@@ -294,12 +332,16 @@ def test_resume_exactly_and_on_other_placements_and_errors(root, run_a, run_b):
     for label, kind, needle in (
         ("names", "PipelineConfigError", "'llm.4.lin.weight' is not in the checkpoint"),
         ("shapes", "PipelineConfigError", "'llm.4.out.weight' has shape (11, 8) in the checkpoint but (12, 8)"),
-        ("missing", "FileNotFoundError", repr(shard)),
+        ("missing", "PipelineConfigError", f"file {shard!r} (it holds 'model/llm."),
+        ("truncated", "PipelineConfigError", f"file {shard!r} (it holds 'model/llm."),
+        ("truncated", "PipelineConfigError", "is truncated: 64 bytes on disk"),
+        ("crafted", "PipelineConfigError", "its index '.metadata' cannot be read safely"),
     ):
         errors = {r[label] for r in run_a2}
         assert len(errors) == 1, errors
         error = errors.pop()
         assert error is not None and error[0] == kind and needle in error[1], error
+    assert not (root / "executed").exists()
 
 
 @pytest.mark.timeout(120)

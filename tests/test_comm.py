@@ -355,6 +355,7 @@ def world2(rank: int, world_size: int) -> dict:
     return {"chain": chain, "1f1b": ofob, "upstream": upstream}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_world2_chain_1f1b_metadata_colocated_upstream():
     results = run_distributed(world2, 2, timeout=45)
@@ -404,6 +405,7 @@ def world3(rank: int, world_size: int) -> dict:
     return {"gpipe": run_layouts(rank, world_size, WORLD3_LAYOUTS), "error": fan_in_structure_error(rank)}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_world3_fan_in_fan_out_two_upstream():
     results = run_distributed(world3, 3, timeout=45)
@@ -430,6 +432,7 @@ def world5(rank: int, world_size: int) -> list[dict]:
     return run_layouts(rank, world_size, WORLD5_LAYOUTS)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_world5_fan_in_4_fan_out_4_design_layout():
     results = run_distributed(world5, 5, timeout=75)

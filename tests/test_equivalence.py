@@ -12,6 +12,8 @@ from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 
+pytestmark = pytest.mark.distributed  # every test here launches processes
+
 P = ModulePlacement
 STEPS = 3
 SCHEDULES = ("1f1b", "gpipe", "zero_bubble")

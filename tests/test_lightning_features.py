@@ -17,12 +17,20 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy
 from tests.dist import run_distributed
-from tests.models import MultiModalModel, SyntheticDataset, make_loader
+from tests.models import (
+    AlignmentCheckingModel,
+    BatchRecorder,
+    DtypeRecordingModel,
+    MultiModalModel,
+    NamedSamples,
+    SyntheticDataset,
+    make_loader,
+)
 
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}
 LAYOUTS = {
@@ -93,12 +101,13 @@ def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
         return MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=M)
 
     out = _scenario(factory, world, log_dir)
-    # bf16 autocast on CPU
-    model = MultiModalModel(TOPOLOGY)
+    # bf16 autocast on CPU: the pipelined training step runs every stage under autocast
+    model = DtypeRecordingModel(TOPOLOGY)
     run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), precision="bf16-mixed", max_steps=2,
                     logger=False, limit_val_batches=0, **QUIET)
     run.fit(model, make_loader(TOPOLOGY, BS, BS * 2))
     out["bf16_loss"] = float(run.callback_metrics["train_loss"])
+    out["bf16_dtypes"] = sorted(getattr(model, "seen_dtypes", set()))
     # seed_everything makes two shuffled runs identical
     seeded = []
     for _ in range(2):
@@ -109,6 +118,22 @@ def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
         run.fit(model, DataLoader(SyntheticDataset(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
         seeded.append(_params(model))
     out["seeded"] = seeded
+    # per-sample strings are split with their samples, over microbatches and dp shards
+    model = AlignmentCheckingModel(TOPOLOGY)
+    run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=2, logger=False,
+                    limit_val_batches=0, **QUIET)
+    run.fit(model, DataLoader(NamedSamples(BS * 2, ["enc_a"]), batch_size=BS))
+    out["alignment_checks"] = getattr(model, "checked", 0)
+    # an unseeded shuffling DataLoader while every rank's global RNG differs: the strategy's
+    # sampler (seed 0 without seed_everything) still gives every rank the same batches
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    model = MultiModalModel(TOPOLOGY)
+    torch.manual_seed(1000 + rank)
+    recorder = BatchRecorder()
+    run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=3, logger=False,
+                    limit_val_batches=0, callbacks=[recorder], **QUIET)
+    run.fit(model, DataLoader(NamedSamples(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
+    out["shuffled_batches"] = recorder.seen
     return out
 
 
@@ -117,6 +142,7 @@ def _assert_same_everywhere(per_rank, key):
     assert all(v == values[0] for v in values), f"{key} differs across ranks: {values}"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lightning_features(layout, tmp_path):
@@ -128,8 +154,9 @@ def test_lightning_features(layout, tmp_path):
     def close(a, b, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
 
-    for key in ("val_loss", "lr", "epoch_lr", "bf16_loss"):
+    for key in ("val_loss", "lr", "epoch_lr", "bf16_loss", "shuffled_batches"):
         _assert_same_everywhere(per_rank, key)
+    layout = MultiModulePipelineStrategy(placements, TOPOLOGY, M).layout
     for rank, result in enumerate(per_rank):
         for name, value in result["params"].items():  # clipping (global norm) + step scheduler
             close(value, reference["params"][name], f"rank {rank} {name}")
@@ -147,6 +174,17 @@ def test_lightning_features(layout, tmp_path):
         for ours, ref in zip(result["predict"], reference["predict"]):
             close(ours, ref, "predict")
         assert math.isfinite(result["bf16_loss"])
+        # activations computed under autocast are bf16: the encoder's output as the llm receives
+        # it (across ranks), and the llm's output at the loss
+        llm = layout.slot(rank, "llm")
+        if llm is not None and llm.stage == 0:
+            assert ("llm", "upstream:enc_a", "torch.bfloat16") in result["bf16_dtypes"], result["bf16_dtypes"]
+        if llm is not None and layout.is_loss_stage(llm):
+            assert ("llm", "output", "torch.bfloat16") in result["bf16_dtypes"], result["bf16_dtypes"]
+        expected_order = list(DistributedSampler(NamedSamples(BS * 3, ["enc_a"]), 1, 0, shuffle=True, seed=0))
+        assert result["shuffled_batches"] == [expected_order[i:i + BS] for i in range(0, BS * 3, BS)], rank
+        # every hook call this rank made saw names matching its samples (2 steps x M microbatches)
+        assert result["alignment_checks"] >= 2 * M, result["alignment_checks"]
         first, second = result["seeded"]
         for name in first:
             assert torch.equal(first[name], second[name]), f"seeded runs differ on {name}"
@@ -163,3 +201,35 @@ def test_lightning_features(layout, tmp_path):
     with open(files[0]) as f:
         columns = set(csv.DictReader(f).fieldnames or [])
     assert {"train_loss", "val_loss", "lr-SGD"} <= columns, columns
+
+
+CHAIN = {"enc_a": ["llm"], "llm": ["dec"], "dec": []}
+
+
+def _frozen_middle(rank: int, world: int) -> dict:
+    """A frozen module between trainable ones still runs its backward: gradients reach enc_a."""
+    if world == 1:
+        strategy = None
+    else:
+        strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P(pp=2), "dec": P()}, CHAIN, num_microbatches=M)
+    model = MultiModalModel(CHAIN, freeze=("llm",))
+    extra = {"strategy": strategy} if strategy is not None else {}
+    run = L.Trainer(accelerator="cpu", devices=world, max_steps=2, logger=False, limit_val_batches=0, **extra,
+                    **QUIET)
+    run.fit(model, make_loader(CHAIN, BS, BS * 2))
+    return _params(model)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_frozen_module_in_the_middle_passes_gradients_through():
+    reference = _frozen_middle(0, 1)
+    initial = dict(MultiModalModel(CHAIN).named_parameters())
+    assert not torch.allclose(reference["enc_a.0.proj.weight"], initial["enc_a.0.proj.weight"])
+    per_rank = run_distributed(_frozen_middle, 4, timeout=100, init_pg=False)
+    seen = set()
+    for params in per_rank:
+        for name, value in params.items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(reference)

@@ -61,6 +61,18 @@ class _VectorLoss(MultiModalModel):
         return output.sum(-1)
 
 
+class _WrongWiring(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.pipeline_topology = {"llm": ["enc_a"], "enc_a": []}
+
+
+class _NoWiring(MultiModalModel):
+    def __init__(self) -> None:
+        super().__init__(TOPOLOGY)
+        self.pipeline_topology = None
+
+
 def _fit_errors(rank: int, world: int) -> dict[str, str]:
     placements = {"enc_a": P(rank_offset=0), "llm": P(rank_offset=0)} if world == 1 else {"enc_a": P(), "llm": P()}
     cases = {
@@ -71,12 +83,15 @@ def _fit_errors(rank: int, world: int) -> dict[str, str]:
         "accumulate": (MultiModalModel(TOPOLOGY), {"accumulate_grad_batches": 2}, 8),
         "batch": (MultiModalModel(TOPOLOGY), {}, 6),
         "vector_loss": (_VectorLoss(TOPOLOGY), {}, 8),
+        "wiring_mismatch": (_WrongWiring(), {}, 8),
+        "no_wiring": (_NoWiring(), {}, 8),
     }
     if world > 1:
-        cases = {k: cases[k] for k in ("batch", "no_container")}
+        cases = {k: cases[k] for k in ("batch", "no_container", "wiring_mismatch")}
     messages = {}
     for name, (model, kwargs, batch_size) in cases.items():
-        strategy = MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=4)
+        topology = None if name == "no_wiring" else TOPOLOGY
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=4)
         trainer = L.Trainer(devices=world, strategy=strategy, **QUIET, **kwargs)
         try:
             trainer.fit(model, make_loader(TOPOLOGY, batch_size, batch_size * 2))
@@ -94,9 +109,13 @@ EXPECTED = {
     "accumulate": "num_microbatches",
     "batch": "multiple of 4",
     "vector_loss": "reduce it to a scalar",
+    "wiring_mismatch": "_WrongWiring.pipeline_topology {'enc_a': [], 'llm': ['enc_a']} and the strategy's topology= "
+    "{'enc_a': ['llm'], 'llm': []} disagree",
+    "no_wiring": "declare `pipeline_topology = {module: [downstream modules]}` on _NoWiring or pass topology=",
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_fit_errors_single_rank():
     (messages,) = run_distributed(_fit_errors, 1, timeout=100, init_pg=False)
@@ -104,6 +123,7 @@ def test_fit_errors_single_rank():
         assert fragment in messages[name], f"{name}: {messages[name]}"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_fit_errors_raise_identically_on_every_rank():
     per_rank = run_distributed(_fit_errors, 2, timeout=100, init_pg=False)
@@ -122,6 +142,7 @@ def _world_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_world_size_mismatch_raises_on_every_rank():
     messages = run_distributed(_world_mismatch, 2, timeout=100, init_pg=False)
@@ -139,6 +160,7 @@ def _sink_only_error(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_error_on_one_rank_stops_its_peers():
     """pipeline_loss runs on the sink rank only; its peers must fail fast, not hang."""
@@ -153,6 +175,7 @@ class _HooksOnly(MultiModalModel):
     training_step = L.LightningModule.training_step
     validation_step = L.LightningModule.validation_step
     test_step = L.LightningModule.test_step
+    predict_step = L.LightningModule.predict_step  # and no forward
 
 
 def _hooks_only(rank: int, world: int):
@@ -164,18 +187,42 @@ def _hooks_only(rank: int, world: int):
         return DataLoader(SyntheticDataset(16, ["enc_a"]), batch_size=8)
 
     model = _HooksOnly(TOPOLOGY)
-    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, num_microbatches=2)
+    # no topology=: the model's pipeline_topology is the wiring
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, num_microbatches=2)
     trainer = L.Trainer(devices=world, strategy=strategy, **{**QUIET, "limit_val_batches": None, "max_steps": 2})
     trainer.fit(model, make_loader(TOPOLOGY, 8, 16), val())
     fit_val = float(trainer.callback_metrics["val_loss"])
     validated = trainer.validate(model, val(), verbose=False)[0]["val_loss"]
     tested = trainer.test(model, val(), verbose=False)[0]["test_loss"]
-    return fit_val, validated, tested
+    predicted = trainer.predict(model, val())
+    # the placeholders live only for the Trainer call: nothing stays bound on the model
+    leftovers = sorted(n for n in ("training_step", "validation_step", "test_step", "predict_step") if n in vars(model))
+    return fit_val, validated, tested, [tuple(p.shape) for p in predicted], leftovers
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_module_needs_only_the_pipeline_hooks():
     per_rank = run_distributed(_hooks_only, 2, timeout=100, init_pg=False)
     assert per_rank[0] == per_rank[1]
-    fit_val, validated, tested = per_rank[0]
+    fit_val, validated, tested, predicted_shapes, leftovers = per_rank[0]
     assert fit_val == pytest.approx(validated) == pytest.approx(tested)
+    assert predicted_shapes == [(8, 3, 11), (8, 3, 11)]  # the sink output of each batch, no predict_step
+    assert leftovers == []
+
+
+def test_precision_plugin_is_a_clipping_copy_and_pickles():
+    """Global-norm clipping comes from a copy of the user's plugin; the user's object is untouched."""
+    import pickle
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    users = MixedPrecision("bf16-mixed", "cpu")
+    before = dict(vars(users))
+    strategy = MultiModulePipelineStrategy({"enc_a": P(), "llm": P()}, TOPOLOGY, 4, precision_plugin=users)
+    plugin = strategy.precision_plugin
+    assert plugin is not users and isinstance(plugin, MixedPrecision)
+    assert type(plugin).clip_grad_by_norm is not MixedPrecision.clip_grad_by_norm
+    assert vars(users) == before
+    copy = pickle.loads(pickle.dumps(strategy))  # the spawn launcher pickles the strategy
+    assert isinstance(copy.precision_plugin, MixedPrecision) and copy.precision_plugin.pipeline_strategy is copy

@@ -17,6 +17,8 @@ from lightning_mmpp.trace import PHASE_SPANS
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 
+pytestmark = pytest.mark.distributed  # every test here launches processes
+
 P = ModulePlacement
 STEPS = 2
 M = 4

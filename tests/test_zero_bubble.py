@@ -25,6 +25,8 @@ from tests.models import MultiModalModel, SyntheticDataset, make_loader
 
 CHAIN3 = {"enc_a": ["llm"], "llm": ["dec"], "dec": []}
 PLACEMENTS = {"enc_a": P(), "llm": P(pp=2), "dec": P()}  # 4 ranks
+pytestmark = pytest.mark.distributed  # every test here launches processes
+
 M = 4
 BS = 8
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, logger=False)

@@ -1,0 +1,47 @@
+"""The pipeline hooks a model provides, called in one form whatever form the model wrote.
+
+``pipeline_loss(self, module, output, batch)`` names the sink it is called for (a model with
+several sinks can tell them apart). The older form ``pipeline_loss(self, output, batch)`` stays
+accepted: :func:`pipeline_loss_caller` inspects the signature once and returns a callable that
+always takes ``(module, output, batch)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from lightning_mmpp.errors import PipelineConfigError
+
+__all__ = ["pipeline_loss_caller", "pipeline_loss_takes_module"]
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def pipeline_loss_takes_module(loss: Callable[..., Any], owner: str = "the model") -> bool:
+    """Whether a (bound) ``pipeline_loss`` takes ``(module, output, batch)`` rather than ``(output, batch)``."""
+    try:
+        params = list(inspect.signature(loss).parameters.values())
+    except (TypeError, ValueError):  # no signature (a C function): assume the current form
+        return True
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    if len(positional) >= 3:
+        return True
+    if len(required) == 2 or len(positional) == 2:
+        return False
+    raise PipelineConfigError(
+        f"{owner}.pipeline_loss{inspect.signature(loss)} cannot be called; define "
+        "`pipeline_loss(self, module, output, batch)` (or the older `pipeline_loss(self, output, batch)`)."
+    )
+
+
+def pipeline_loss_caller(hooks: Any) -> Callable[[str, Any, Any], Any]:
+    """``hooks.pipeline_loss`` as a callable of ``(module, output, batch)`` (signature read once)."""
+    loss = hooks.pipeline_loss
+    if pipeline_loss_takes_module(loss, type(hooks).__name__):
+        return loss
+    return lambda module, output, batch: loss(output, batch)
