@@ -94,7 +94,7 @@ def zero_bubble(args: argparse.Namespace) -> None:
                  "peak stash per rank", "peak KiB per rank"], rows))
     print("-> stash: microbatches held from a forward until its last backward piece (B, or W); KiB: the "
           "runtime's StepResult.peak_stashed_bytes (stage inputs and outputs until B or I, then the layer "
-          "inputs, outputs and output gradients a deferred W keeps).")
+          "inputs and output gradients a deferred W keeps).")
 
 
 def main() -> None:
