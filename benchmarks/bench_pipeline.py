@@ -83,15 +83,16 @@ def zero_bubble(args: argparse.Namespace) -> None:
             s: simulate(build_schedule(layout, m, s), layout, tf, fused, mode="eager", input_cost=ti, weight_cost=tw)
             for s in ZB_SCHEDULES
         }
-        base = median(times["1f1b"])
+        base, base_min = median(times["1f1b"]), min(times["1f1b"])
         for s in ZB_SCHEDULES:
             measured = median(times[s])
             stash = [r["stash"][s][0] for r in per_rank]
             kib = [r["stash"][s][1] // 1024 for r in per_rank]
             rows.append((name, s, sims[s].step_time * 1e3, measured * 1e3, min(times[s]) * 1e3, max(times[s]) * 1e3,
-                         sims[s].step_time / sims["1f1b"].step_time, measured / base, stash, kib))
+                         sims[s].step_time / sims["1f1b"].step_time, measured / base, min(times[s]) / base_min,
+                         stash, kib))
     print(table(["layout", "schedule", "sim ms", "measured ms", "min", "max", "sim /1f1b", "measured /1f1b",
-                 "peak stash per rank", "peak KiB per rank"], rows))
+                 "min /1f1b min", "peak stash per rank", "peak KiB per rank"], rows))
     print("-> stash: microbatches held from a forward until its last backward piece (B, or W); KiB: the "
           "runtime's StepResult.peak_stashed_bytes (stage inputs and outputs until B or I, then the layer "
           "inputs and output gradients a deferred W keeps).")

@@ -121,11 +121,13 @@ def zero_bubble(args: argparse.Namespace) -> None:
     times = run_distributed(worker_zero_bubble, 4, m, tf, ti, tw, args.rounds, args.steps, timeout=300)[0]
     rows = []
     for sched in ("zero_bubble", "1f1b"):
-        ours, theirs = median(times[f"ours {sched}"]), median(times[f"torch {sched}"])
-        rows.append((sched, ours * 1e3, theirs * 1e3, ours / theirs))
-    print(table(["schedule", "ours ms", "torch ms", "ours/torch"], rows))
-    print(f"zero_bubble / 1f1b: ours {median(times['ours zero_bubble']) / median(times['ours 1f1b']):.3f}, "
-          f"torch {median(times['torch zero_bubble']) / median(times['torch 1f1b']):.3f}")
+        ours, theirs = times[f"ours {sched}"], times[f"torch {sched}"]
+        rows.append((sched, median(ours) * 1e3, median(theirs) * 1e3, median(ours) / median(theirs),
+                     min(ours) * 1e3, min(theirs) * 1e3, min(ours) / min(theirs)))
+    print(table(["schedule", "ours ms", "torch ms", "ours/torch", "ours min", "torch min", "min ratio"], rows))
+    for stat, fn in (("median", median), ("min", min)):
+        print(f"zero_bubble / 1f1b ({stat}): ours {fn(times['ours zero_bubble']) / fn(times['ours 1f1b']):.3f}, "
+              f"torch {fn(times['torch zero_bubble']) / fn(times['torch 1f1b']):.3f}")
 
 
 def worker_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
