@@ -75,10 +75,12 @@ from lightning_mmpp.actions import (
 )
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import PipelineLayout, StageSlot
+from lightning_mmpp.simulator import validate_schedule
 
 __all__ = [
     "NUMBERINGS",
     "SCHEDULES",
+    "PhaseCosts",
     "ZeroBubbleMemory",
     "build_schedule",
     "check_schedule_args",
@@ -200,8 +202,6 @@ def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
     missing or repeated compute, a compute before its inputs arrive, a transfer the layout does
     not prescribe, a deadlock).
     """
-    from lightning_mmpp.simulator import validate_schedule
-
     with open(path) as f:
         text = f.read()
     schedule = Schedule.from_csv(text) if str(path).endswith(".csv") else Schedule.from_text(text)

@@ -111,9 +111,9 @@ def check_transfers(schedule: Schedule, layout: PipelineLayout) -> None:
         assert len(where.get((t.peer, other, mirror), [])) == 1, (rank, role, t)
 
     # a message's transfers are all in one exchange (per role) on every rank
-    message_at: dict[tuple[int, str, tuple], set[int]] = defaultdict(set)
+    message_at: dict[tuple[int, str, MessageKey], set[int]] = defaultdict(set)
     for (rank, role, t), (i,) in where.items():
-        message_at[(rank, role, (t.direction, t.src_module, t.dst_module, t.microbatch))].add(i)
+        message_at[(rank, role, t.key)].add(i)
     assert all(len(v) == 1 for v in message_at.values()), message_at
 
     # exchange i on rank r pairs with exactly one exchange on each peer q, and in order:
@@ -683,3 +683,10 @@ def test_zero_bubble_forward_only_and_bad_memory():
         ZeroBubbleMemory(weight_fraction=2)
     with pytest.raises(PipelineConfigError, match="every cost must be > 0"):
         PhaseCosts(input=0)
+    with pytest.raises(PipelineConfigError, match="every cost must be > 0"):
+        PhaseCosts(lone_weight=-1.0)
+    assert PhaseCosts(input=2.0, weight=0.5).lone_weight_cost == 2.5
+    # the planning costs shape the order, never the correctness
+    layout = two_encoders()
+    cheap_w = build_schedule(layout, 6, "zero_bubble", costs=PhaseCosts(weight=0.25, lone_weight=0.25))
+    validate_schedule(cheap_w, layout)
