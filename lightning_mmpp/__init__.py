@@ -21,8 +21,11 @@ __all__ = [
     "MultiModulePipelineStrategy",
     "PipelineConfigError",
     "PipelineLayout",
+    "PretrainedWeights",
     "StageSlot",
     "export_checkpoint",
+    "load_pretrained",
+    "materialize",
     "run_unpipelined",
 ]
 
@@ -36,6 +39,18 @@ def __getattr__(name: str) -> Any:
         from lightning_mmpp.reference import run_unpipelined
 
         return run_unpipelined
+    if name == "materialize":
+        from lightning_mmpp.initialization import materialize
+
+        return materialize
+    if name == "load_pretrained":
+        from lightning_mmpp.construction import load_pretrained
+
+        return load_pretrained
+    if name == "PretrainedWeights":
+        from lightning_mmpp.pretrained import PretrainedWeights
+
+        return PretrainedWeights
     if name == "export_checkpoint":
         from lightning_mmpp.checkpoint import export_checkpoint
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from torch import nn
 
@@ -85,12 +85,63 @@ class StageRunner:
 
 
 @dataclass
+class TiedParameter:
+    """A parameter shared by layers of several stages or modules (``head.weight = embed.weight``).
+
+    Every owning stage keeps a copy; the copies start equal (initialised by ``first_owner``, the
+    first submodule holding it in ``named_modules()`` order, as in one process), their
+    gradients are summed over the owners every step, so they stay equal.
+    """
+
+    names: list[str]  # qualified parameter names, in named_parameters(remove_duplicate=False) order
+    owners: list[tuple[str, int]]  # (module, stage) holding it, in order of first appearance
+    first_owner_name: str  # qualified name of the submodule that initialises it
+    first_owner: nn.Module  # that submodule (kept even when this rank dropped it)
+    attribute: str  # the parameter's name inside first_owner
+    requires_grad: bool
+    local: Optional[nn.Parameter] = None  # this rank's copy, when it holds an owner stage
+
+
+@dataclass
 class Partition:
     """What a rank keeps: one runner per module it holds, and the ids of its parameters."""
 
     runners: dict[str, StageRunner]
     owned_parameter_ids: set[int]
     frozen_modules: frozenset[str]  # modules none of whose parameters (on any rank) require grad
+    tied: list[TiedParameter] = field(default_factory=list)  # shared across stages or modules
+
+
+def find_tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[TiedParameter]:
+    """Parameters held by layers of more than one (module, stage), found by identity."""
+    stage_of_layer: dict[tuple[str, str], int] = {}
+    for module in layout.modules:
+        container = _layer_container(model, module)
+        names = list(container._modules)
+        placement = layout.placements[module]
+        for stage, span in enumerate(stage_ranges([container._modules[n] for n in names], placement.pp,
+                                                  placement.split_points, module)):
+            for i in span:
+                stage_of_layer[(module, names[i])] = stage
+    found: dict[int, TiedParameter] = {}
+    for qualified, submodule in model.named_modules():
+        parts = qualified.split(".")
+        if len(parts) < 2 or (parts[0], parts[1]) not in stage_of_layer:
+            continue
+        owner = (parts[0], stage_of_layer[(parts[0], parts[1])])
+        for attribute, param in submodule._parameters.items():
+            if param is None:
+                continue
+            tie = found.get(id(param))
+            if tie is None:
+                found[id(param)] = TiedParameter([], [owner], qualified, submodule, attribute, param.requires_grad)
+            elif owner not in tie.owners:
+                tie.owners.append(owner)
+    tied = {pid: t for pid, t in found.items() if len(t.owners) > 1}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in tied:
+            tied[id(param)].names.append(name)
+    return list(tied.values())
 
 
 def _layer_container(model: nn.Module, module: str) -> nn.Module:
@@ -129,10 +180,10 @@ def check_model(model: nn.Module, layout: PipelineLayout) -> None:
 def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Partition:
     """Keep only the layers ``rank`` owns, in place, under their original names."""
     check_model(model, layout)
+    tied = find_tied_parameters(model, layout)
     runners: dict[str, StageRunner] = {}
     owned: set[int] = set()
     frozen: set[str] = set()
-    stage_of_param: dict[int, tuple[str, int]] = {}
     for module in layout.modules:
         container = _layer_container(model, module)
         names = list(container._modules)
@@ -141,15 +192,6 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
         if not any(p.requires_grad for p in container.parameters()):
             frozen.add(module)
         ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
-        for stage, span in enumerate(ranges):
-            for i in span:
-                for p in layers[i].parameters():
-                    other = stage_of_param.setdefault(id(p), (module, stage))
-                    if other != (module, stage):
-                        raise PipelineConfigError(
-                            f"a parameter of {module}.{names[i]} is shared with {other[0]} stage {other[1]}; "
-                            "parameters shared across stages or modules (weight tying) are not supported."
-                        )
         slot = layout.slot(rank, module)
         keep = ranges[slot.stage] if slot is not None else range(0)
         for i, name in enumerate(names):
@@ -159,4 +201,7 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
             runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep])
             runners[module] = runner
             owned.update(id(p) for p in runner.parameters())
-    return Partition(runners=runners, owned_parameter_ids=owned, frozen_modules=frozenset(frozen))
+    held = {id(p): p for runner in runners.values() for p in runner.parameters()}
+    for tie in tied:
+        tie.local = held.get(id(getattr(tie.first_owner, tie.attribute)))
+    return Partition(runners=runners, owned_parameter_ids=owned, frozen_modules=frozenset(frozen), tied=tied)

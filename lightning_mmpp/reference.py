@@ -28,7 +28,8 @@ def run_unpipelined(
 
     Call it as ``run_unpipelined(model, batch)`` when the model declares its wiring as
     ``pipeline_topology``, or ``run_unpipelined(model, topology, batch)``. ``pipeline_loss``
-    may return a dict; its ``"loss"`` is used.
+    may return a dict; its ``"loss"`` is used, or ``loss_sum / num_tokens`` in the per-token
+    form.
     """
     if batch is _NOT_GIVEN:
         batch, topology = topology_or_batch, getattr(model, "pipeline_topology", None)
@@ -51,7 +52,10 @@ def run_unpipelined(
         outputs[module] = x
         if not topo.downstream(module):
             result = pipeline_loss(module, x, batch)
-            value = result["loss"] if isinstance(result, Mapping) else result
+            if isinstance(result, Mapping) and "loss_sum" in result:  # per-token form
+                value = result["loss_sum"] / max(float(result["num_tokens"]), 1.0)
+            else:
+                value = result["loss"] if isinstance(result, Mapping) else result
             loss = value if loss is None else loss + value
     assert loss is not None
     return loss, outputs

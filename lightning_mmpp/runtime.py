@@ -21,6 +21,13 @@ sink module (summed over sinks). Each sink replica backpropagates ``loss / (M * 
 gradients cross the bridges unscaled (split and concatenation are exact), and every module's
 data-parallel group then *sums* its gradients: the result is exactly the gradient of the
 global mean loss, for any fan-in or fan-out.
+
+Per-token losses. A sink whose ``pipeline_loss`` returns ``{"loss_sum": s, "num_tokens": n}``
+backpropagates ``s`` unscaled; the step's loss is ``sum(s) / sum(n)`` over every microbatch and
+replica, so after the data-parallel sums the strategy divides every gradient by the global
+token count (known only when the step is over), as Megatron does. Further ``"<name>_sum"``
+entries are metrics normalised by the same count. This needs a single sink: the gradients of
+shared upstream modules could not be split per sink afterwards.
 """
 
 from __future__ import annotations
@@ -65,12 +72,40 @@ class StepResult:
     """
 
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
+    # per-token form: this rank's unscaled sums ("loss_sum", "num_tokens", other "<name>_sum")
+    token_sums: dict[str, Tensor] = field(default_factory=dict)
     sink_outputs: dict[int, Any] = field(default_factory=dict)
     # microbatches held between a forward and its last backward piece (B, or W), at their peak
     peak_stashed: int = 0
     # bytes of the stashed outputs and received inputs held for backwards (after an I: the
     # layer inputs and output gradients its W needs), at their peak
     peak_stashed_bytes: int = 0
+
+
+TOKEN_LOSS = "loss_sum"
+TOKEN_COUNT = "num_tokens"
+
+
+def is_token_loss(result: Any) -> bool:
+    """Whether a ``pipeline_loss`` result is in the per-token form ``{"loss_sum", "num_tokens"}``."""
+    return isinstance(result, Mapping) and TOKEN_LOSS in result
+
+
+def _token_loss_and_metrics(result: Mapping[str, Any], module: str) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """``(loss_sum, sums, metrics)``: ``sums`` holds loss_sum, num_tokens and every ``*_sum`` metric."""
+    loss_sum = result[TOKEN_LOSS]
+    if not isinstance(loss_sum, Tensor) or loss_sum.numel() != 1 or TOKEN_COUNT not in result or "loss" in result:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned 'loss_sum'; the per-token form is a dict with a scalar tensor "
+            "'loss_sum' (the summed token losses), 'num_tokens' (how many tokens it sums) and no 'loss'."
+        )
+    sums = {TOKEN_LOSS: loss_sum.detach().float().reshape(()),
+            TOKEN_COUNT: torch.as_tensor(result[TOKEN_COUNT]).detach().float().reshape(())}
+    rest = {k: v for k, v in result.items() if k not in (TOKEN_LOSS, TOKEN_COUNT)}
+    _, metrics = _loss_and_metrics({"loss": loss_sum, **rest}, module)
+    for name in [n for n in metrics if n.endswith("_sum")]:
+        sums[name] = metrics.pop(name).detach().float()
+    return loss_sum.reshape(()), sums, metrics
 
 
 def _loss_and_metrics(result: Any, module: str) -> tuple[Tensor, dict[str, Tensor]]:
@@ -333,11 +368,25 @@ class PipelineRuntime:
         if loss_stage and step.keep_sink_outputs:
             step.result.sink_outputs.setdefault(k, {})[module] = out
         if loss_stage and step.compute_loss:
-            loss, metrics = _loss_and_metrics(self.pipeline_loss(module, out, step.shard(module, k)), module)
+            returned = self.pipeline_loss(module, out, step.shard(module, k))
             scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
-            if step.training:
-                step.losses[(module, k)] = loss * scale
-            self._accumulate(step.result, module, loss, metrics, scale)
+            if is_token_loss(returned):
+                if self.multiple_sinks:
+                    raise PipelineConfigError(
+                        f"pipeline_loss for sink {module!r} returned the per-token form, which needs a single sink "
+                        f"(this model has {sorted(self.layout.topology.sinks)}); return a mean loss per microbatch instead."
+                    )
+                loss, sums, metrics = _token_loss_and_metrics(returned, module)
+                if step.training:
+                    step.losses[(module, k)] = loss  # unscaled: gradients are divided by the global count
+                for name, value in sums.items():
+                    step.result.token_sums[name] = step.result.token_sums.get(name, 0) + value
+                self._accumulate(step.result, module, None, metrics, scale)
+            else:
+                loss, metrics = _loss_and_metrics(returned, module)
+                if step.training:
+                    step.losses[(module, k)] = loss * scale
+                self._accumulate(step.result, module, loss, metrics, scale)
         if trained:
             step.outputs[(module, k)] = out  # stashed until its backward
             if pieces is not None:
@@ -427,9 +476,13 @@ class PipelineRuntime:
                     del step.in_grads[(key.dst_module, key.microbatch)]
         return sends
 
-    def _accumulate(self, result: StepResult, module: str, loss: Tensor, metrics: dict[str, Tensor], scale: float) -> None:
+    def _accumulate(
+        self, result: StepResult, module: str, loss: Optional[Tensor], metrics: dict[str, Tensor], scale: float
+    ) -> None:
         prefix = f"{module}_" if self.multiple_sinks else ""
-        values = {"loss": loss, **{f"{prefix}{n}": v for n, v in metrics.items()}}
+        values = {f"{prefix}{n}": v for n, v in metrics.items()}
+        if loss is not None:
+            values["loss"] = loss
         for name, value in values.items():
             share = value.detach().float() * scale
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share

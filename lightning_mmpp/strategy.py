@@ -8,7 +8,8 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -36,8 +37,10 @@ from torch.utils._pytree import tree_map
 
 from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
+from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan_construction
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.initialization import has_meta_tensors
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
 from lightning_mmpp.microbatch import (
@@ -51,12 +54,15 @@ from lightning_mmpp.microbatch import (
 from lightning_mmpp.payload import concat_payloads
 from lightning_mmpp.partition import Partition, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.runtime import PipelineRuntime, StepResult
+from lightning_mmpp.pretrained import PretrainedWeights
+from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.schedule import Schedule, build_schedule, check_schedule_args
+from lightning_mmpp.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.topology import ModuleTopology
 from lightning_mmpp.trace import NULL_TRACER, Tracer, merge_traces
 
 log = logging.getLogger(__name__)
+_TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one metrics all-reduce
 
 # The models this process has partitioned, with (layout, rank, partition): a partitioned model
 # keeps only its rank's layers, so it can be reused by the strategy that partitioned it (fit,
@@ -126,6 +132,14 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         trace_dir: record a timeline of every forward, backward, communication wait, gradient
             reduction and optimizer step, and write Chrome trace-event JSON there at teardown
             (``trace_rank{r}.json`` per rank and a merged ``trace.json``). Off by default.
+        pretrained: ``{module: source}`` initial weights per module, loaded after partitioning
+            (each rank reads only its own stages' tensors): a ``.safetensors`` file, a torch
+            state-dict file, a torch.distributed.checkpoint directory, or
+            :class:`~lightning_mmpp.PretrainedWeights` to rename keys. See :mod:`lightning_mmpp.pretrained`.
+
+    Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
+    meta device; each rank allocates and initialises only the stages it holds
+    (:func:`~lightning_mmpp.materialize`, seeded by the run's seed), so no rank holds the whole model.
     """
 
     strategy_name = "multimodule_pipeline"
@@ -147,6 +161,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         trace_dir: Optional[str] = None,
+        pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -183,6 +198,15 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
         self.trace_dir = trace_dir
         self._tracer: Tracer | Any = NULL_TRACER
+        self.pretrained = dict(pretrained or {})
+        unknown = sorted(set(self.pretrained) - set(placements))
+        if unknown:
+            raise PipelineConfigError(
+                f"pretrained= names {unknown}, which are not placed modules {list(placements)}; key it by "
+                "placement name."
+            )
+        self._pretrained_keys_read: dict[str, list[str]] = {}
+        self._tie_groups: dict[tuple[int, ...], Any] = {}  # owner ranks of parameters tied across ranks
 
     # --- Lightning plumbing ----------------------------------------------------------------
 
@@ -327,6 +351,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self.trace_dir is not None and not self._tracer.enabled:
             self._tracer = Tracer(self.global_rank)
         self._gradients = self._stage_gradients()
+        if self.world_size > 1 and not self._tie_groups:
+            self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
         self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
         self._runtime = PipelineRuntime(
@@ -397,7 +423,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                 "this LightningModule was already partitioned by another MultiModulePipelineStrategy or rank; "
                 "build a fresh model for a new layout."
             )
+        self._unpartitioned_keys = list(lm.state_dict().keys())  # modules built in configure_model included
+        plan = plan_construction(lm, self.pretrained)  # every rank checks every key, before any collective
         self._partition = partition_model(lm, self.layout, self.global_rank)
+        self._build_own_stages(plan)
         _PARTITIONED[lm] = (self.layout, self.global_rank, self._partition)
 
     def _stage_gradients(self) -> StageGradients:
@@ -410,7 +439,33 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             slot = self.layout.slot(self.global_rank, module)
             if slot is not None and slot.replica == 0:
                 counted.extend(runner.parameters())
+        # a parameter tied across ranks counts once in the global norm, on its first owner
+        elsewhere = {id(t.local) for t in self._partition.tied
+                     if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)}
+        counted = [p for p in dict.fromkeys(counted) if id(p) not in elsewhere]
         return StageGradients(by_group, counted, self._dp_groups, self.world_size)
+
+    # --- construction: meta build, materialisation, pretrained weights ------------------------
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Build on the meta device (``configure_model()``, ``trainer.init_module()``) unless
+        ``empty_init=False``: each rank materialises only its own stages in ``setup``."""
+        device = torch.device("meta") if empty_init is not False else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def _init_seed(self) -> int:
+        """The materialisation seed: rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed)."""
+        seed = torch.initial_seed()
+        return int(self.broadcast(seed, 0)) if self.world_size > 1 else seed
+
+    def _build_own_stages(self, plan: ConstructionPlan) -> None:
+        seed = self._init_seed() if plan.on_meta else 0
+        assert self._partition is not None
+        self._pretrained_keys_read = build_own_stages(
+            self.lightning_module, plan, self.root_device, seed, self._partition.tied
+        )
 
     def _filter_optimizers(self) -> None:
         assert self._partition is not None
@@ -488,10 +543,40 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             result = self._run_pipeline(batch, forward_only=False)
         with self._tracer.span("dp_allreduce", "dp"):
             self.synchronize_gradients()
+            if self._tie_groups:  # copies of a parameter tied across ranks get the summed gradient
+                sum_tied_gradients(self.layout, self._partition.tied, self._tie_groups, self.global_rank)
         with self._tracer.span("metrics_allreduce", "metrics"):
-            metrics = self.reduce_metrics(result.metric_sums, "train")
+            metrics, token_metrics, tokens = self._reduce_step_metrics(result, "train")
+        if tokens is not None:  # per-token loss: every gradient holds a sum over tokens
+            self._divide_gradients(tokens)
         self._log_metrics("train", metrics, batch_size_of(batch), on_step=True)
-        return {"loss": metrics["loss"]}
+        self._log_metrics("train", token_metrics, tokens, on_step=True)
+        return {"loss": {**metrics, **token_metrics}["loss"]}
+
+    def _reduce_step_metrics(
+        self, result: StepResult, stage: str
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
+        """Reduce a step's metrics over the world: ``(metrics, per-token metrics, global token count)``.
+
+        Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
+        divided by the global token count of the step (``None`` when no sink used that form).
+        """
+        local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+        reduced = self.reduce_metrics(local, stage)
+        metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
+        sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
+        if not sums:
+            return metrics, {}, None
+        count = sums.pop(TOKEN_COUNT).clamp(min=1.0)
+        token_metrics = {"loss" if n == TOKEN_LOSS else n[: -len("_sum")]: v / count for n, v in sums.items()}
+        return metrics, token_metrics, int(count.item())
+
+    def _divide_gradients(self, count: int) -> None:
+        assert self._partition is not None
+        for runner in self._partition.runners.values():
+            for p in runner.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
 
     def synchronize_gradients(self) -> None:
         """Sum each module's gradients over its dp group (colocated modules share one reduction)."""
@@ -527,9 +612,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         context = self.precision_plugin.val_step_context if prefix == "val" else self.precision_plugin.test_step_context
         with context():
             result = self._run_pipeline(batch, forward_only=True)
-        metrics = self.reduce_metrics(result.metric_sums, prefix)
+        metrics, token_metrics, tokens = self._reduce_step_metrics(result, prefix)
         self._log_metrics(prefix, metrics, batch_size_of(batch), on_step=False)
-        return {f"{prefix}_{n}": v for n, v in metrics.items()}
+        # weighted by tokens, so the epoch value is sum(loss_sum) / sum(num_tokens)
+        self._log_metrics(prefix, token_metrics, tokens, on_step=False)
+        return {f"{prefix}_{n}": v for n, v in {**metrics, **token_metrics}.items()}
 
     def validation_step(self, *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         return self._evaluation_step("val", args[0] if args else kwargs["batch"])
@@ -648,6 +735,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self._in_pipeline_step and self.world_size > 1 and _distributed_is_initialized():
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.global_rank)
             self._dp_groups = {}
+            self._tie_groups = {}
             dist.destroy_process_group()
         self._in_pipeline_step = False
 
@@ -663,10 +751,20 @@ class MultiModulePipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._write_trace()
         self._remove_placeholder_steps()
-        for group in self._dp_groups.values():
+        for group in [*self._dp_groups.values(), *self._tie_groups.values()]:
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        self._tie_groups = {}
+        lm = self.lightning_module
+        if lm is not None and has_meta_tensors(lm):
+            # setup failed before this rank's stages were materialised: nothing to move to CPU
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = lm
+            return
         super().teardown()
 
     def __str__(self) -> str:

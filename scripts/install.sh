@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install lightning_mmpp (editable) and, with "test" or "bench", its extras.
+# Install lightning_mmpp (editable) and its extras, e.g. `scripts/install.sh test,examples`.
 # Where no torch is installed yet, take the CPU build first: a bare `torch` requirement would
-# otherwise pull a multi-GB CUDA build. An existing torch (a CUDA build on a GPU box) is kept.
+# otherwise pull a multi-GB CUDA build. An existing torch (a CUDA build on a GPU box) is kept:
+# every later install pins it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,9 +10,20 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet torch==2.13.0 \
     || "$PY" -m pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
+TORCH=$("$PY" -c "import torch; print(torch.__version__)")
 extras=${1:-}
+if [[ ",$extras," == *",examples,"* ]] && ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
+  # timm imports torchvision. PyPI's torchvision wheel is built against CUDA torch and would pull
+  # (or fail to load with) another torch: install the build matching this torch, without deps.
+  TV=$("$PY" -c "v = '$TORCH'.split('+'); major, minor = v[0].split('.')[:2]; print(f'0.{int(minor) + 15}.*')")
+  if [[ "$TORCH" == *+cpu ]]; then
+    "$PY" -m pip install --quiet --no-deps "torchvision==$TV" --index-url https://download.pytorch.org/whl/cpu
+  else
+    "$PY" -m pip install --quiet --no-deps "torchvision==$TV"
+  fi
+fi
 if [ -n "$extras" ]; then
-  "$PY" -m pip install --quiet -e ".[$extras]"
+  "$PY" -m pip install --quiet -e ".[$extras]" "torch==$TORCH"
 else
-  "$PY" -m pip install --quiet -e .
+  "$PY" -m pip install --quiet -e . "torch==$TORCH"
 fi

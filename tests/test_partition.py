@@ -80,5 +80,6 @@ def test_frozen_modules_and_shared_parameters():
     tied = MultiModalModel(TOPOLOGY)
     tied.llm[4].out.weight = nn.Parameter(torch.zeros(11, 8))
     tied.llm[0].lin.weight = tied.llm[4].out.weight  # tie across two stages (shapes aside)
-    with pytest.raises(PipelineConfigError, match="weight tying"):
-        partition_model(tied, PipelineLayout({"enc_a": P(), "llm": P(pp=2, split_points=(2,))}, TOPOLOGY), 1)
+    partition = partition_model(tied, PipelineLayout({"enc_a": P(), "llm": P(pp=2, split_points=(2,))}, TOPOLOGY), 1)
+    (tie,) = partition.tied  # kept on both stages (see tests/test_tied.py)
+    assert tie.owners == [("llm", 0), ("llm", 1)] and tie.local is tied.llm._modules["0"].lin.weight

@@ -1,0 +1,354 @@
+"""Train a small LLaVA-style vision-language model built from real parts, loaded from pretrained files.
+
+    pip install -e .[examples]        # safetensors, timm, transformers (scripts/install.sh examples)
+    python examples/train_vlm.py      # 3 CPU processes, a few minutes at the default size
+    python examples/train_vlm.py --width 512 --layers 8 --precision bf16-mixed
+
+Layout (gloo on CPU, NCCL on GPUs):
+
+    rank 0  vision (timm ViT blocks, frozen) + proj (the projector, trained) --> rank 1  llm stage 0
+                                                                             --> rank 2  llm stage 1 (loss)
+
+The modules are created in ``configure_model()``, so under the strategy they are built on the
+meta device: each rank allocates only the stages it holds. The vision encoder and the language
+model start from pretrained files that this script writes once, the way a download would leave
+them: a timm ``VisionTransformer`` state dict and a Hugging Face ``LlamaForCausalLM`` state dict,
+both as ``.safetensors`` in their libraries' own key names. ``pretrained=`` with a ``key_map``
+renames those keys into the pipelined ``nn.Sequential`` names; each rank reads only its own
+tensors. The projector has no pretrained weights: ``materialize`` initialises it from the seed.
+
+The data are synthetic but learnable: an image shows a bright square at one of 8 positions and
+the caption (3 to 8 tokens, padded) counts up from that position, so the first caption token
+needs the image and the rest follow from the text. The loss is the causal-LM cross-entropy
+over the caption tokens, with padding ignored, in the per-token form (``loss_sum`` and
+``num_tokens``): the strategy divides by the global token count of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PretrainedWeights
+
+IMAGE = 16
+PATCH = 4
+PATCHES = (IMAGE // PATCH) ** 2
+POSITIONS = 8
+MAX_TEXT = 8
+PAD, BOS = 0, 1
+VOCAB = 32
+
+
+def _extras() -> tuple[Any, Any, Any]:
+    try:
+        import safetensors.torch
+        import timm.models.vision_transformer as vit
+        from transformers import LlamaConfig
+    except ImportError as err:
+        raise SystemExit(
+            f"examples/train_vlm.py needs the 'examples' extra ({err}): pip install -e '.[examples]' "
+            "(scripts/install.sh examples keeps your torch build)."
+        ) from err
+    return safetensors.torch, vit, LlamaConfig
+
+
+def llama_config(width: int, layers: int) -> Any:
+    _, _, LlamaConfig = _extras()
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 16), num_key_value_heads=max(1, width // 32),
+        max_position_embeddings=PATCHES + MAX_TEXT, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+
+
+# --- layers --------------------------------------------------------------------------------
+
+
+class PatchEmbed(nn.Module):
+    """Image -> patch tokens with learned positions (a timm ViT's ``patch_embed`` + ``pos_embed``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, width, PATCH, stride=PATCH)
+        self.pos_embed = nn.Parameter(torch.empty(1, PATCHES, width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.proj(image).flatten(2).transpose(1, 2) + self.pos_embed
+
+
+class TokenEmbed(nn.Module):
+    """Image tokens (from the projector) followed by the embedded caption; carries the padding mask."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, width)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        text = self.embed_tokens(x["ids"])
+        h = torch.cat([x["image"].to(text.dtype), text], dim=1)
+        mask = torch.cat([torch.ones_like(x["mask"][:, :1]).expand(-1, x["image"].shape[1]), x["mask"]], dim=1)
+        return {"h": h, "mask": mask}
+
+
+class DecoderLayer(nn.Module):
+    """A Hugging Face ``LlamaDecoderLayer`` on the dict that crosses stage boundaries.
+
+    Rotary position embeddings are computed per forward (no buffer to materialise); the causal
+    and padding masks become one boolean attention mask.
+    """
+
+    def __init__(self, config: Any, index: int) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.layer = LlamaDecoderLayer(config, index)
+        object.__setattr__(self, "_rotary_args", (LlamaRotaryEmbedding, config))  # not a submodule
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h, mask = x["h"], x["mask"]
+        length = h.shape[1]
+        positions = torch.arange(length, device=h.device).unsqueeze(0).expand(h.shape[0], -1)
+        rotary_cls, config = self._rotary_args
+        with torch.device(h.device):
+            cos, sin = rotary_cls(config)(h, positions)
+        causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
+        attend = causal[None, None] & mask.bool()[:, None, None, :]
+        out = self.layer(h, attention_mask=attend, position_ids=positions, position_embeddings=(cos, sin))
+        return {"h": out[0] if isinstance(out, tuple) else out, "mask": mask}
+
+
+class LMHead(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, VOCAB, bias=False)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lm_head(self.norm(x["h"]))
+
+
+# --- the LightningModule -------------------------------------------------------------------
+
+
+class VisionLanguageModel(L.LightningModule):
+    """``vision`` (frozen ViT) -> ``proj`` (projector) -> ``llm`` (Llama decoder layers)."""
+
+    pipeline_topology = {"vision": ["proj"], "proj": ["llm"], "llm": []}
+
+    def __init__(self, width: int = 64, layers: int = 4, vision_layers: int = 2, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def configure_model(self) -> None:
+        if hasattr(self, "llm"):  # Lightning calls the hook on every Trainer call
+            return
+        _, vit, _ = _extras()
+        hp = self.hparams
+        width = hp.width
+        self.vision = nn.Sequential(
+            PatchEmbed(width),
+            *[vit.Block(width, num_heads=max(1, width // 16), qkv_bias=True) for _ in range(hp.vision_layers)],
+            nn.LayerNorm(width, eps=1e-6),
+        )
+        self.vision.requires_grad_(False)  # a frozen pretrained encoder
+        self.proj = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        config = llama_config(width, hp.layers)
+        self.llm = nn.Sequential(
+            TokenEmbed(width), *[DecoderLayer(config, i) for i in range(hp.layers)], LMHead(config)
+        )
+
+    def pipeline_inputs(self, module: str, batch: dict[str, torch.Tensor], upstream: dict[str, Any]) -> Any:
+        if module == "vision":
+            return batch["image"]
+        if module == "proj":
+            return upstream["vision"]
+        return {"image": upstream["proj"], "ids": batch["ids"], "mask": batch["mask"]}
+
+    def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-token causal-LM loss: summed here, divided by the step's global token count.
+
+        Captions have different lengths, so a mean per microbatch would weight tokens unequally;
+        ``{"loss_sum", "num_tokens"}`` makes the step's loss the mean over all its tokens, as on one
+        process. ``correct_sum`` becomes the token accuracy the same way.
+        """
+        text = logits[:, PATCHES:-1].float()  # position t predicts caption token t + 1
+        labels = batch["ids"][:, 1:].masked_fill(batch["mask"][:, 1:] == 0, -100)
+        loss_sum = F.cross_entropy(text.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
+        valid = labels != -100
+        correct = ((text.argmax(-1) == labels) & valid).sum()
+        return {"loss_sum": loss_sum, "num_tokens": valid.sum(), "correct_sum": correct}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # one process, no strategy
+        from lightning_mmpp import run_unpipelined
+
+        loss, _ = run_unpipelined(self, self.pipeline_topology, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+# --- pretrained files (what a download would leave), and their key maps ---------------------
+
+
+def write_pretrained(directory: Path, width: int, layers: int, vision_layers: int, seed: int = 0) -> dict[str, Path]:
+    """Write a timm ViT and a Hugging Face Llama state dict once, in their own key names."""
+    safetensors_torch, vit, _ = _extras()
+    from transformers import LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tag = f"w{width}_l{layers}_v{vision_layers}"
+    paths = {"vision": directory / f"vit_{tag}.safetensors", "llm": directory / f"llama_{tag}.safetensors"}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    torch.manual_seed(seed)
+    encoder = vit.VisionTransformer(
+        img_size=IMAGE, patch_size=PATCH, embed_dim=width, depth=vision_layers, num_heads=max(1, width // 16),
+        num_classes=0, class_token=False, global_pool="", qkv_bias=True,
+    )
+    lm = LlamaForCausalLM(llama_config(width, layers))
+    for name, module in (("vision", encoder), ("llm", lm)):
+        tmp = paths[name].with_suffix(f".{os.getpid()}.tmp")
+        safetensors_torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp))
+        os.replace(tmp, paths[name])  # atomic: ranks started later see a whole file
+    return paths
+
+
+def from_timm(vision_layers: int):
+    """timm ``VisionTransformer`` names -> ``self.vision`` names."""
+
+    def key_map(key: str) -> Optional[str]:
+        if key == "pos_embed" or key.startswith("patch_embed.proj."):
+            return "0." + key.replace("patch_embed.", "")
+        if key.startswith("blocks."):
+            index, rest = key[len("blocks."):].split(".", 1)
+            return f"{int(index) + 1}.{rest}"
+        if key.startswith("norm."):
+            return f"{vision_layers + 1}.{key[len('norm.'):]}"
+        return None  # a classifier head, if any: not part of the encoder
+
+    return key_map
+
+
+def from_hf_llama(layers: int):
+    """Hugging Face ``LlamaForCausalLM`` names -> ``self.llm`` names."""
+
+    def key_map(key: str) -> Optional[str]:
+        if key == "model.embed_tokens.weight":
+            return "0.embed_tokens.weight"
+        if key.startswith("model.layers."):
+            index, rest = key[len("model.layers."):].split(".", 1)
+            return f"{int(index) + 1}.layer.{rest}"
+        if key == "model.norm.weight":
+            return f"{layers + 1}.norm.weight"
+        if key == "lm_head.weight":
+            return f"{layers + 1}.lm_head.weight"
+        return None
+
+    return key_map
+
+
+def pretrained_sources(paths: dict[str, Path], layers: int, vision_layers: int) -> dict[str, PretrainedWeights]:
+    return {
+        "vision": PretrainedWeights(paths["vision"], key_map=from_timm(vision_layers)),
+        "llm": PretrainedWeights(paths["llm"], key_map=from_hf_llama(layers)),
+    }
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+class SyntheticCaptions(Dataset):
+    def __init__(self, size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.position = torch.randint(0, POSITIONS, (size,), generator=g)
+        self.images = 0.3 * torch.randn(size, 3, IMAGE, IMAGE, generator=g)
+        for i, p in enumerate(self.position.tolist()):
+            r, c = divmod(p, 4)
+            self.images[i, :, r * 8:(r + 1) * 8, c * 4:(c + 1) * 4] += 1.0
+        lengths = torch.randint(3, MAX_TEXT + 1, (size,), generator=g)
+        steps = torch.arange(MAX_TEXT - 1)
+        caption = 2 + (self.position.unsqueeze(1) + steps) % (VOCAB - 2)
+        self.ids = torch.cat([torch.full((size, 1), BOS), caption], dim=1)
+        self.mask = (torch.arange(MAX_TEXT) < lengths.unsqueeze(1)).long()
+        self.ids = self.ids.masked_fill(self.mask == 0, PAD)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"image": self.images[i], "ids": self.ids[i], "mask": self.mask[i]}
+
+
+def make_loader(batch_size: int, batches: int, seed: int = 0, shuffle: bool = True) -> DataLoader:
+    return DataLoader(SyntheticCaptions(batch_size * batches, seed), batch_size=batch_size, shuffle=shuffle,
+                      drop_last=True)
+
+
+def placements() -> dict[str, ModulePlacement]:
+    return {
+        "vision": ModulePlacement(rank_offset=0),
+        "proj": ModulePlacement(rank_offset=0),
+        "llm": ModulePlacement(pp=2),
+    }
+
+
+class LossHistory(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def main(argv: Optional[list[str]] = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=64, help="hidden size of the ViT and the LM")
+    parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
+    parser.add_argument("--vision-layers", type=int, default=2, help="ViT blocks")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed"')
+    parser.add_argument("--weights-dir", default="vlm_weights", help="where the pretrained files are written once")
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args(argv)
+
+    L.seed_everything(0, verbose=False)
+    paths = write_pretrained(Path(args.weights_dir), args.width, args.layers, args.vision_layers)
+    model = VisionLanguageModel(args.width, args.layers, args.vision_layers)
+    strategy = MultiModulePipelineStrategy(
+        placements(), VisionLanguageModel.pipeline_topology, num_microbatches=args.microbatches,
+        pretrained=pretrained_sources(paths, args.layers, args.vision_layers),
+    )
+    history = LossHistory()
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=strategy.layout.world_size, strategy=strategy, max_steps=args.steps,
+        precision=args.precision, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        enable_progress_bar=False, callbacks=[history],
+    )
+    trainer.fit(model, make_loader(args.batch_size, args.steps))
+    if trainer.global_rank == 0:
+        print(strategy.layout.table())
+        print(f"loss {history.losses[0]:.3f} -> {history.losses[-1]:.3f} after {len(history.losses)} steps")
+    return history.losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""examples/train_vlm.py: timm ViT + Hugging Face Llama layers, pretrained files, meta build.
+
+Needs the ``examples`` extra (safetensors, timm with a working torchvision, transformers); skipped
+cleanly without it. CI installs it (scripts/install.sh test,examples).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+try:
+    import safetensors.torch  # noqa: F401
+    import timm.models.vision_transformer  # noqa: F401
+    import transformers  # noqa: F401
+except Exception as err:  # a missing package, or a torchvision built for another torch
+    pytest.skip(f"the 'examples' extra is not usable here: {type(err).__name__}: {err}", allow_module_level=True)
+
+import train_vlm as vlm  # noqa: E402
+
+from lightning_mmpp import MultiModulePipelineStrategy, load_pretrained  # noqa: E402
+from tests.dist import run_distributed  # noqa: E402
+
+STEPS = 3
+SIZE = dict(width=32, layers=2, vision_layers=1)
+
+
+def _trainer_kwargs(devices: int, precision: str = "32-true") -> dict:
+    return dict(accelerator="cpu", devices=devices, max_steps=STEPS, precision=precision, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _pipelined(rank, world, paths):
+    L.seed_everything(0, verbose=False)
+    model = vlm.VisionLanguageModel(**SIZE)
+    strategy = MultiModulePipelineStrategy(
+        vlm.placements(), model.pipeline_topology, num_microbatches=2,
+        pretrained=vlm.pretrained_sources(paths, SIZE["layers"], SIZE["vision_layers"]),
+    )
+    trainer = L.Trainer(**_trainer_kwargs(world), strategy=strategy)
+    trainer.fit(model, vlm.make_loader(8, STEPS, shuffle=False))
+    out = {"params": _params(model), "loss": float(trainer.callback_metrics["train_loss"])}
+    # the command line, in bf16-mixed
+    out["bf16_losses"] = vlm.main(["--steps", "2", "--batch-size", "8", "--microbatches", "2", "--precision",
+                                   "bf16-mixed", "--width", "32", "--layers", "2", "--vision-layers", "1",
+                                   "--weights-dir", str(paths["llm"].parent)])
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.distributed
+def test_vlm_example_matches_one_process(tmp_path):
+    paths = vlm.write_pretrained(tmp_path, **SIZE)
+    # one process: the same meta build, materialize, the same pretrained files
+    L.seed_everything(0, verbose=False)
+    reference = vlm.VisionLanguageModel(**SIZE)
+    with torch.device("meta"):
+        reference.configure_model()
+    # the projector from the seed, the encoder and the LM from their files
+    load_pretrained(reference, vlm.pretrained_sources(paths, SIZE["layers"], SIZE["vision_layers"]), seed=0)
+    frozen_before = {n: p.clone() for n, p in reference.vision.named_parameters()}
+    L.Trainer(**_trainer_kwargs(1)).fit(reference, vlm.make_loader(8, STEPS, shuffle=False))
+    expected = _params(reference)
+    for n, p in reference.vision.named_parameters():
+        assert torch.equal(p, frozen_before[n]), f"frozen encoder changed: {n}"
+
+    per_rank = run_distributed(_pipelined, 3, paths, timeout=280, init_pg=False)
+    seen = set()
+    for result in per_rank:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+            seen.add(name)
+        assert all(math.isfinite(x) for x in result["bf16_losses"]) and len(result["bf16_losses"]) == 2
+    assert seen == set(expected)
+    assert len({r["loss"] for r in per_rank}) == 1
