@@ -19,6 +19,12 @@ Two workloads:
   saves from what the implementation costs.
 
 Step time = the median over the timed steps of the slowest rank (barrier, then one step).
+
+``--zero-bubble``: the same 4-stage chain with :class:`~benchmarks.common.SplitSleepStage`
+(forward ``tf``, input gradient ``tb``, weight gradient ``--tw``): our ``zero_bubble`` against
+torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (it accepts that; its
+``ScheduleZBVZeroBubble`` needs two stages per rank, a different amount of work per rank), and
+both sides' 1F1B on the same stages.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+)
 
 from benchmarks.common import (  # noqa: E402
-    OurPipeline, SleepStage, chain, interleaved, machine, median, section, table, two_encoders,
+    OurPipeline, SleepStage, SplitSleepStage, chain, interleaved, machine, median, section, table, two_encoders,
 )
 from tests.dist import run_distributed  # noqa: E402
 
@@ -43,16 +51,20 @@ MB_SHAPE = (8, 1024)
 class TorchPipeline:
     """This rank's stage of a ``world``-stage chain under torch.distributed.pipelining."""
 
-    def __init__(self, rank: int, world: int, m: int, tf: float, tb: float) -> None:
+    def __init__(self, rank: int, world: int, m: int, tf: float, tb: float, tw: float | None = None) -> None:
         self.rank, self.world, self.m = rank, world, m
-        self.module = SleepStage(tf, tb)
+        self.module = SleepStage(tf, tb) if tw is None else SplitSleepStage(tf, tb, tw)
         # the examples' requires_grad tells torch that activations and their gradients cross stages
         example = torch.zeros(*MB_SHAPE, requires_grad=True)
         self.schedules = {}
-        for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+        kinds = [("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)]
+        if tw is not None:
+            kinds = [("1f1b", Schedule1F1B), ("zero_bubble", ScheduleInterleavedZeroBubble)]
+        for name, cls in kinds:
             stage = PipelineStage(self.module, rank, world, torch.device("cpu"), input_args=example,
                                   output_args=example)
-            self.schedules[name] = cls(stage, m, loss_fn=lambda out, target: out.pow(2).mean())
+            stages = [stage] if cls is ScheduleInterleavedZeroBubble else stage
+            self.schedules[name] = cls(stages, m, loss_fn=lambda out, target: out.pow(2).mean())
         g = torch.Generator().manual_seed(0)
         self.batch = torch.randn(m * MB_SHAPE[0], *MB_SHAPE[1:], generator=g)
         self.target = torch.zeros(m * MB_SHAPE[0], 1)
@@ -87,6 +99,37 @@ def worker_chain(rank: int, world: int, m: int, tf: float, tb: float, rounds: in
     return interleaved(runs, rounds, steps)
 
 
+def worker_zero_bubble(rank: int, world: int, m: int, tf: float, tb: float, tw: float, rounds: int,
+                       steps: int) -> dict:
+    ours = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE, tw=tw)
+    theirs = TorchPipeline(rank, world, m, tf, tb, tw=tw)
+    runs = {
+        "ours zero_bubble": lambda: ours.step("zero_bubble")[0],
+        "torch zero_bubble": lambda: theirs.step("zero_bubble"),
+        "ours 1f1b": lambda: ours.step("1f1b")[0],
+        "torch 1f1b": lambda: theirs.step("1f1b"),
+    }
+    return interleaved(runs, rounds, steps)
+
+
+def zero_bubble(args: argparse.Namespace) -> None:
+    m, tf, ti, tw = args.m, args.tf, args.tb, args.tw
+    print(f"$ python benchmarks/bench_vs_torch.py --zero-bubble  (m={m}, tf={tf * 1e3:g} ms, ti={ti * 1e3:g} ms, "
+          f"tw={tw * 1e3:g} ms, microbatch float32 {list(MB_SHAPE)}, {args.rounds}x{args.steps} timed steps each; "
+          f"{machine()})")
+    section("Chain of 4 split sleep stages: zero bubble, ours vs torch ScheduleInterleavedZeroBubble (1 stage/rank)")
+    times = run_distributed(worker_zero_bubble, 4, m, tf, ti, tw, args.rounds, args.steps, timeout=300)[0]
+    rows = []
+    for sched in ("zero_bubble", "1f1b"):
+        ours, theirs = times[f"ours {sched}"], times[f"torch {sched}"]
+        rows.append((sched, median(ours) * 1e3, median(theirs) * 1e3, median(ours) / median(theirs),
+                     min(ours) * 1e3, min(theirs) * 1e3, min(ours) / min(theirs)))
+    print(table(["schedule", "ours ms", "torch ms", "ours/torch", "ours min", "torch min", "min ratio"], rows))
+    for stat, fn in (("median", median), ("min", min)):
+        print(f"zero_bubble / 1f1b ({stat}): ours {fn(times['ours zero_bubble']) / fn(times['ours 1f1b']):.3f}, "
+              f"torch {fn(times['torch zero_bubble']) / fn(times['torch 1f1b']):.3f}")
+
+
 def worker_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
     ours = OurPipeline(two_encoders(), rank, m, tf, tb, mb_shape=MB_SHAPE)
     ours_chained = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
@@ -109,7 +152,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--p8", action="store_true", help="also the 8-stage chain")
+    parser.add_argument("--zero-bubble", action="store_true", help="zero bubble on split sleep stages only")
+    parser.add_argument("--tw", type=float, default=0.020, help="--zero-bubble: weight-gradient seconds")
     args = parser.parse_args()
+    if args.zero_bubble:
+        zero_bubble(args)
+        return
     m, tf, tb = args.m, args.tf, args.tb
     unit = tf + tb
 

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,6 +59,38 @@ class SleepStage(nn.Module):
         return Sleep.apply(x * self.scale, self.tf, self.tb)
 
 
+class SleepOnBackward(torch.autograd.Function):
+    """Identity whose forward costs nothing and whose backward sleeps ``tb`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tb: float) -> torch.Tensor:
+        ctx.tb = tb
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.tb)
+        return grad, None
+
+
+class SplitSleepStage(nn.Module):
+    """A stage whose backward has a separate input part and weight part: ``Sleep(x) * w`` with
+    the forward sleeping ``tf``, the gradient w.r.t. ``x`` sleeping ``ti`` (only on the path to
+    the input) and the gradient w.r.t. the scalar weight ``w`` sleeping ``tw`` (only on the path
+    to the weight). A fused backward sleeps ``ti + tw``; an input-gradient pass (``I``) ``ti``
+    and a weight-gradient pass (``W``) ``tw``, whether the split is done by lightning_mmpp's
+    runtime or by torch.distributed.pipelining. On a stage whose input needs no gradient
+    (the first one) only ``tw`` runs, in every schedule."""
+
+    def __init__(self, tf: float, ti: float, tw: float) -> None:
+        super().__init__()
+        self.tf, self.ti, self.tw = tf, ti, tw
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Sleep.apply(x, self.tf, self.ti) * SleepOnBackward.apply(self.scale, self.tw)
+
+
 class SleepHooks:
     """``pipeline_inputs`` / ``pipeline_loss`` for sleep stages: a source reads its microbatch,
     a module with upstream modules adds their outputs, the sink's loss is a mean square."""
@@ -77,6 +109,14 @@ def chain(pp: int) -> PipelineLayout:
     return PipelineLayout({"a": P(pp=pp)}, {"a": []})
 
 
+def vision_language() -> PipelineLayout:
+    """vision (dp=2, ranks 0-1) and audio (dp=1, rank 2) -> llm (pp=2, ranks 3-4): fan-in. Depth 3."""
+    return PipelineLayout(
+        {"vision": P(dp=2), "audio": P(dp=1), "llm": P(pp=2)},
+        {"vision": ["llm"], "audio": ["llm"], "llm": []},
+    )
+
+
 def two_encoders() -> PipelineLayout:
     """enc_a (pp=2, ranks 0-1) and enc_b (pp=1, rank 2) side by side -> llm (pp=2, ranks 3-4).
     Depth 4 (the same layout as ``bench_schedule.py``)."""
@@ -91,18 +131,29 @@ class OurPipeline:
     schedule and runtime directly (no Lightning Trainer)."""
 
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
-                 mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0) -> None:
+                 mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0,
+                 tw: Optional[float] = None) -> None:
+        """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
+        (input gradient ``tb``, weight gradient ``tw``)."""
         self.layout, self.rank, self.m = layout, rank, m
+
+        def stage() -> nn.Module:
+            return SleepStage(tf, tb) if tw is None else SplitSleepStage(tf, tb, tw)
+
         self.runners = {
-            slot.module: StageRunner(slot.module, slot.stage, [SleepStage(tf, tb)], ["0"])
-            for slot in layout.slots(rank)
+            slot.module: StageRunner(slot.module, slot.stage, [stage()], ["0"]) for slot in layout.slots(rank)
         }
         self.tracer = Tracer(rank) if trace else None
         self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
         self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer)
-        self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe")}
+        self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe", "zero_bubble")}
         g = torch.Generator().manual_seed(seed)
         self.data = [torch.randn(*mb_shape, generator=g) for _ in range(m)]
+
+    def _shard(self, module: str, k: int) -> torch.Tensor:
+        """The slice of microbatch ``k`` this rank's replica of ``module`` processes."""
+        slot = self.layout.slot(self.rank, module)
+        return self.data[k][self.layout.batch_shard(module, slot.replica, self.data[k].shape[0])]
 
     def step(self, schedule: str = "1f1b") -> tuple[float, StepResult]:
         """One training step after a barrier; returns (this rank's seconds, its StepResult)."""
@@ -111,7 +162,7 @@ class OurPipeline:
                 p.grad = None
         dist.barrier()
         start = time.perf_counter()
-        result = self.runtime.run(self.schedules[schedule], lambda module, k: self.data[k])
+        result = self.runtime.run(self.schedules[schedule], self._shard)
         self.comm.wait_sends()
         return time.perf_counter() - start, result
 

@@ -36,7 +36,9 @@ MODULE_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#e377c2", "#8c564
 COMM_COLOUR = "#c8c8c8"
 DP_COLOUR = "#ff7f0e"
 OPTIMIZER_COLOUR = "#d62728"
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+# fill shade and hatch of each backward kind (zero_bubble splits B into input and weight halves)
+BACKWARD_STYLE = {"backward": (0.62, "///"), "backward_input": (0.62, "///"), "backward_weight": (0.85, "...")}
 
 
 def load_trace(path: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -115,11 +117,12 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
                 face = to_rgb(base)
                 patch = Rectangle((x, y), w, height, facecolor=face, edgecolor="white", linewidth=0.4)
             else:
-                face = shade(base, 0.62)
+                factor, hatch = BACKWARD_STYLE[name]
+                face = shade(base, factor)
                 patch = Rectangle((x, y), w, height, facecolor=face, edgecolor="white", linewidth=0.4,
-                                  hatch="///", hatchcolor=shade(base, 1.25))
+                                  hatch=hatch, hatchcolor=shade(base, 1.25))
             label = str(e["args"].get("microbatch", ""))
-            counts[name] += 1
+            counts["forward" if name == "forward" else "backward"] += 1
         elif name == "exchange":
             face = to_rgb(COMM_COLOUR)
             patch = Rectangle((x, y + 0.15), w, height - 0.3, facecolor=face, linewidth=0)
@@ -134,7 +137,8 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
         if label and w * px_per_ms >= char_px * len(label) + 3:
             ax.text(x + w / 2, row[e["pid"]], label, ha="center", va="center", fontsize=fontsize,
                     color=text_colour(face), fontweight="bold", clip_on=True,
-                    bbox=dict(boxstyle="square,pad=0.05", facecolor=face, linewidth=0) if name == "backward" else None)
+                    bbox=dict(boxstyle="square,pad=0.05", facecolor=face, linewidth=0)
+                    if name in BACKWARD_STYLE else None)
 
     ax.set_yticks(range(len(pids)))
     ax.set_yticklabels([f"{names.get(pid, f'rank {pid}')}\n{', '.join(held[pid])}".rstrip() for pid in pids],
@@ -150,8 +154,12 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
     handles = []
     for m in modules:
         handles.append(Patch(facecolor=colour[m], edgecolor="white", label=f"{m} forward"))
-        handles.append(Patch(facecolor=shade(colour[m], 0.62), edgecolor="white", hatch="///",
-                             hatchcolor=shade(colour[m], 1.25), label=f"{m} backward"))
+        names_here = {e["name"] for e in chosen if e.get("cat") == m}
+        for kind, text in (("backward", "backward"), ("backward_input", "backward I"), ("backward_weight", "backward W")):
+            if kind in names_here or (kind == "backward" and not names_here & set(BACKWARD_STYLE)):
+                factor, hatch = BACKWARD_STYLE[kind]
+                handles.append(Patch(facecolor=shade(colour[m], factor), edgecolor="white", hatch=hatch,
+                                     hatchcolor=shade(colour[m], 1.25), label=f"{m} {text}"))
     handles.append(Patch(facecolor=COMM_COLOUR, label="comm (exchange incl. wait)"))
     names_seen = {e["name"] for e in chosen}
     if "dp_allreduce" in names_seen:

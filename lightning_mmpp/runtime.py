@@ -38,6 +38,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
@@ -80,7 +81,7 @@ class StepResult:
     # microbatches held between a forward and its last backward piece (B, or W), at their peak
     peak_stashed: int = 0
     # bytes of the stashed outputs and received inputs held for backwards (after an I: the
-    # layer inputs, outputs and output gradients its W needs), at their peak
+    # layer inputs and output gradients its W needs), at their peak
     peak_stashed_bytes: int = 0
 
 
@@ -163,7 +164,7 @@ class _LayerPiece:
     params: list[nn.Parameter]  # the layer's trainable parameters
     inputs: list[Any]  # pytree leaves of the layer's input (leaves of the autograd graph)
     outputs: list[Any]  # pytree leaves of the layer's output
-    roots: list[Tensor] = field(default_factory=list)  # set by I: outputs W starts from
+    roots: list[Any] = field(default_factory=list)  # set by I: graph edges of the outputs W starts from
     grads: list[Tensor] = field(default_factory=list)  # set by I: their gradients
 
 
@@ -216,17 +217,19 @@ class StageExecutor:
         if roots:
             torch.autograd.backward(list(roots), list(grads))
 
-    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> None:
+    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> list[Any]:
         """``I``: gradients w.r.t. the ``received`` leaves (accumulated into their ``.grad``), layer
         by layer from the last, keeping what each layer's ``W`` needs. ``out_grads`` is aligned
-        with the last layer's output leaves."""
+        with the last layer's output leaves. Returns the layer inputs and output gradients the
+        ``W`` keeps (for the stash accounting); the pieces drop everything else, the layer
+        outputs included (``W`` starts from their autograd graph edges)."""
         grads = list(out_grads)
         for index in range(len(pieces) - 1, -1, -1):
             piece = pieces[index]
             roots, root_grads = _with_grads(piece.outputs, grads)
             keep = bool(piece.params and roots)
-            if keep:
-                piece.roots, piece.grads = roots, root_grads
+            if keep:  # the edges, not the tensors: W needs the graph, not the outputs' storage
+                piece.roots, piece.grads = [get_gradient_edge(t) for t in roots], root_grads
             if index == 0:  # the first layer's graph reaches back to the received leaves
                 if roots and received:
                     torch.autograd.backward(roots, root_grads, inputs=list(received), retain_graph=keep)
@@ -237,6 +240,10 @@ class StageExecutor:
                 continue
             got = iter(torch.autograd.grad(roots, wanted, root_grads, retain_graph=keep, allow_unused=True))
             grads = [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in piece.inputs]
+        kept = [(piece.inputs, piece.grads) for piece in pieces if piece.roots]
+        for piece in pieces:
+            piece.inputs, piece.outputs = [], []
+        return kept
 
     def backward_weight(self, pieces: list[_LayerPiece]) -> None:
         """``W``: parameter gradients of every layer from what ``I`` kept, accumulated into ``.grad``."""
@@ -437,9 +444,8 @@ class PipelineRuntime:
             t for src, payload in step.received.get((module, k), {}).items() if src not in self.no_backward_modules
             for t in tree_flatten(payload)[0] if isinstance(t, Tensor) and t.requires_grad
         ]
-        stage.backward_input(pieces, grads, received)
+        kept = stage.backward_input(pieces, grads, received)
         self._collect_input_grads(step, module, k)
-        kept = [(p.inputs, p.roots, p.grads) for p in pieces if p.roots]
         self._set_stash_bytes(step, (module, k), kept)
 
     def _backward_weight(self, step: "_StepState", stage: StageExecutor, k: int) -> None:

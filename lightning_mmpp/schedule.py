@@ -75,10 +75,12 @@ from lightning_mmpp.actions import (
 )
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import PipelineLayout, StageSlot
+from lightning_mmpp.simulator import validate_schedule
 
 __all__ = [
     "NUMBERINGS",
     "SCHEDULES",
+    "PhaseCosts",
     "ZeroBubbleMemory",
     "build_schedule",
     "check_schedule_args",
@@ -92,26 +94,67 @@ NUMBERINGS = ("alap", "asap")
 
 @dataclass(frozen=True)
 class ZeroBubbleMemory:
-    """The memory rule of ``"zero_bubble"``: how many microbatches a unit may hold in flight.
+    """The memory rule of ``"zero_bubble"``: how much a unit may hold in flight.
 
-    A unit may start a forward while ``full + weight_fraction * deferred < limit``, where
-    ``full`` counts microbatches between their forward and their ``I`` (they hold every saved
-    activation), ``deferred`` those between ``I`` and ``W``, and ``limit = depth - index +
-    extra`` (1F1B's bound with ``extra = 0``).
+    A unit *holds* ``full + weight_fraction * deferred``: ``full`` counts its microbatches
+    between their forward and their ``I`` (they keep every saved activation), ``deferred`` those
+    between ``I`` and ``W``. A unit may always start a forward while it holds less than 1F1B's
+    bound ``depth - index`` (``+ extra``): that keeps every unit progressing as under 1F1B.
 
-    ``weight_fraction`` is what a deferred ``W`` holds relative to a whole microbatch (the
-    layer inputs and output gradients the weight gradients need). ``1.0`` counts whole
-    microbatches: never more stashed microbatches than 1F1B on any unit.
+    ``bound``:
+
+    * ``"max"`` (default, ZB-H1's rule): beyond that, a unit may hold up to ``depth`` (``+
+      extra``, 1F1B's bound of the deepest unit) as long as its rank holds no more than 1F1B's
+      fullest rank may (the largest sum of ``min(m, depth - index)`` over the units of a rank),
+      counting the other units of the rank at their own 1F1B bound at least. So no rank holds
+      more than 1F1B's worst rank; the deferred ``W`` s wait on later stages, which hold more
+      than their own 1F1B share.
+    * ``"stage"``: never beyond ``depth - index``: every rank holds no more than under 1F1B.
+      The last stages can then defer almost nothing, so less of the bubble goes (measured in
+      ``benchmarks/README.md``).
+
+    ``weight_fraction`` is what a deferred ``W`` holds relative to a whole microbatch (the layer
+    inputs, outputs and output gradients its weight gradients need); ``1.0`` counts whole
+    microbatches, a smaller value lets more ``W`` s wait for the same bytes. ``extra`` adds
+    microbatches to the limit.
     """
 
+    bound: str = "max"
     weight_fraction: float = 1.0
     extra: int = 0
 
     def __post_init__(self) -> None:
+        if self.bound not in ("max", "stage"):
+            raise PipelineConfigError(f"ZeroBubbleMemory(bound={self.bound!r}): use 'max' or 'stage'.")
         if not (0.0 <= self.weight_fraction <= 1.0):
             raise PipelineConfigError(f"ZeroBubbleMemory(weight_fraction={self.weight_fraction}): use 0.0 .. 1.0.")
         if not isinstance(self.extra, int) or self.extra < 0:
             raise PipelineConfigError(f"ZeroBubbleMemory(extra={self.extra!r}): use an integer >= 0.")
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Relative compute times the zero_bubble builder plans with (the same for every stage).
+
+    The builder plays the schedule on a clock with these costs to decide what each rank runs
+    next; the result is correct and deadlock-free for any costs, they only shape the order.
+    ``lone_weight`` is the cost of a lone ``W`` (the whole backward of a stage with no ``I``,
+    whose inputs need no gradient); ``None`` means ``input + weight``.
+    """
+
+    forward: float = 1.0
+    input: float = 1.0
+    weight: float = 1.0
+    lone_weight: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        costs = (self.forward, self.input, self.weight, self.lone_weight_cost)
+        if min(costs) <= 0:
+            raise PipelineConfigError(f"{self}: every cost must be > 0.")
+
+    @property
+    def lone_weight_cost(self) -> float:
+        return self.input + self.weight if self.lone_weight is None else self.lone_weight
 
 
 def check_schedule_args(name: str, num_microbatches: int, numbering: str = "alap") -> None:
@@ -132,19 +175,22 @@ def build_schedule(
     numbering: str = "alap",
     no_backward_modules: frozenset[str] = frozenset(),
     memory: Optional[ZeroBubbleMemory] = None,
+    costs: Optional[PhaseCosts] = None,
 ) -> Schedule:
     """Build the action lists of every rank for one step of ``num_microbatches`` microbatches.
 
     ``no_backward_modules`` must be closed upstream (every upstream module of a member is a
-    member): gradients never need to reach them. ``memory`` applies to ``"zero_bubble"`` only.
+    member): gradients never need to reach them. ``memory`` and ``costs`` apply to
+    ``"zero_bubble"`` only.
     """
     check_schedule_args(name, num_microbatches, numbering)
     no_backward = frozenset(no_backward_modules)
     if no_backward != layout.no_backward_modules(no_backward):
         raise ValueError(f"no_backward_modules {sorted(no_backward)} is not closed upstream")
-    builder = _LockstepBuilder(layout, num_microbatches, name, forward_only, numbering, no_backward,
-                               memory or ZeroBubbleMemory())
-    return builder.build()
+    if name == "zero_bubble" and not forward_only:
+        return _TimedBuilder(layout, num_microbatches, numbering, no_backward, memory or ZeroBubbleMemory(),
+                             costs or PhaseCosts()).build()
+    return _LockstepBuilder(layout, num_microbatches, name, forward_only, numbering, no_backward).build()
 
 
 def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
@@ -156,8 +202,6 @@ def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
     missing or repeated compute, a compute before its inputs arrive, a transfer the layout does
     not prescribe, a deadlock).
     """
-    from lightning_mmpp.simulator import validate_schedule
-
     with open(path) as f:
         text = f.read()
     schedule = Schedule.from_csv(text) if str(path).endswith(".csv") else Schedule.from_text(text)
@@ -168,41 +212,68 @@ def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
 _Unit = tuple[int, str]  # (rank, module)
 
 
+class _Units:
+    """What both builders know about every (rank, module) unit of a layout."""
+
+    def __init__(self, layout: PipelineLayout, no_backward: frozenset[str]) -> None:
+        self.slots: dict[_Unit, StageSlot] = {
+            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.slots(rank)
+        }
+        self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.slots.items()}
+        self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.slots.items()}
+        # every consumer of a trained module is trained (no_backward is closed upstream),
+        # so a trained module gets a gradient from each of its targets
+        self.consumers = {
+            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.slots.items()
+        }
+        # gradients this unit sends upstream: none when every producer runs no backward
+        self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.slots.items()}
+
+
+def _forward_transfers(layout: PipelineLayout, slot: StageSlot, rank: int, k: int) -> list[tuple[int, Transfer, int]]:
+    """``(sender, transfer at the sender, receiver)`` of the output of ``slot``'s forward of ``k``."""
+    out = []
+    for dst_module, peer in layout.forward_targets(slot):
+        key = MessageKey(Direction.FORWARD, slot.module, dst_module, k)
+        out.append((rank, Transfer(key, peer.rank), peer.rank))
+    return out
+
+
+def _gradient_transfers(
+    layout: PipelineLayout, slot: StageSlot, rank: int, k: int, no_backward: frozenset[str]
+) -> list[tuple[int, Transfer, int]]:
+    """``(sender, transfer at the sender, receiver)`` of the input gradients of ``slot`` for ``k``."""
+    out = []
+    for src_module, peer in layout.forward_sources(slot):
+        if src_module not in no_backward:
+            key = MessageKey(Direction.BACKWARD, src_module, slot.module, k)
+            out.append((rank, Transfer(key, peer.rank), peer.rank))
+    return out
+
+
 class _LockstepBuilder:
+    """1F1B and GPipe (and every forward-only schedule): one compute per unit per tick."""
+
     def __init__(
         self, layout: PipelineLayout, m: int, name: str, forward_only: bool, numbering: str,
-        no_backward: frozenset[str], memory: ZeroBubbleMemory,
+        no_backward: frozenset[str],
     ) -> None:
         self.layout = layout
         self.no_backward = no_backward
         self.m = m
         self.name = name
         self.forward_only = forward_only
-        self.split = name == "zero_bubble" and not forward_only
-        self.memory = memory
-        self.units: dict[_Unit, StageSlot] = {
-            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.slots(rank)
-        }
-        self.limit: dict[_Unit, float] = {}
+        info = _Units(layout, no_backward)
+        self.units = info.slots
+        self.needed_inputs, self.needed_grads, self.consumers = info.needed_inputs, info.needed_grads, info.consumers
+        self.limit: dict[_Unit, int] = {}
         for unit, slot in self.units.items():
             if forward_only or name == "gpipe":
                 self.limit[unit] = m
             else:
                 self.limit[unit] = layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
-                if self.split:
-                    self.limit[unit] += memory.extra
-        self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.units.items()}
-        self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.units.items()}
-        # gradients this unit sends upstream: none when every producer runs no backward
-        self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.units.items()}
-        self.consumers = {
-            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.units.items()
-        }
-        # every consumer of a trained module is trained (no_backward is closed upstream),
-        # so a trained module gets a gradient from each of its targets
         self.next_f = {u: 0 for u in self.units}
-        self.next_b = {u: 0 for u in self.units}  # next fused B, or next I (zero_bubble)
-        self.next_w = {u: 0 for u in self.units}  # next W (zero_bubble)
+        self.next_b = {u: 0 for u in self.units}
         self.inputs: dict[tuple[_Unit, int], int] = defaultdict(int)
         self.grads: dict[tuple[_Unit, int], int] = defaultdict(int)
         self.forward_done_tick: dict[tuple[_Unit, int], int] = {}
@@ -210,86 +281,32 @@ class _LockstepBuilder:
     def _no_backward(self, unit: _Unit) -> bool:
         return self.forward_only or unit[1] in self.no_backward
 
-    def _has_input_half(self, unit: _Unit) -> bool:
-        """Under zero_bubble: whether the unit's backward has an ``I`` (it sends gradients)."""
-        return self.sends_grads[unit]
-
-    def _grads_ready(self, unit: _Unit, k: int, tick: int) -> bool:
+    def _backward_ready(self, unit: _Unit, tick: int) -> bool:
+        k = self.next_b[unit]
+        if self._no_backward(unit) or k >= self.next_f[unit]:
+            return False
+        if self.name == "gpipe" and self.next_f[unit] < self.m:
+            return False
         if self.needed_grads[unit] == 0:  # last stage of a sink: its own forward must be done
             return self.forward_done_tick[(unit, k)] < tick
         return self.grads[(unit, k)] == self.needed_grads[unit]
 
-    def _backward_ready(self, unit: _Unit, tick: int) -> bool:
-        """A fused ``B`` (1F1B, GPipe) or an ``I`` (zero_bubble) can run."""
-        k = self.next_b[unit]
-        if self._no_backward(unit) or k >= self.next_f[unit]:
-            return False
-        if self.split and not self._has_input_half(unit):
-            return False
-        if self.name == "gpipe" and self.next_f[unit] < self.m:
-            return False
-        return self._grads_ready(unit, k, tick)
-
-    def _weight_ready(self, unit: _Unit, tick: int) -> bool:
-        """A ``W`` can run: its ``I`` ran, or (no ``I``) its gradients arrived."""
-        if not self.split or self._no_backward(unit):
-            return False
-        k = self.next_w[unit]
-        if self._has_input_half(unit):
-            return k < self.next_b[unit]
-        return k < self.next_f[unit] and self._grads_ready(unit, k, tick)
-
-    def _in_flight(self, unit: _Unit) -> float:
-        if not self.split:
-            return self.next_f[unit] - self.next_b[unit]
-        if not self._has_input_half(unit):
-            return self.next_f[unit] - self.next_w[unit]
-        full = self.next_f[unit] - self.next_b[unit]
-        deferred = self.next_b[unit] - self.next_w[unit]
-        return full + self.memory.weight_fraction * deferred
-
     def _forward_ready(self, unit: _Unit) -> bool:
         k = self.next_f[unit]
         if self.forward_only:
-            in_flight: float = 0
+            in_flight = 0
         elif unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
             in_flight = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
         else:
-            in_flight = self._in_flight(unit)
-        if k >= self.m or in_flight + 1 > self.limit[unit] + 1e-9:
+            in_flight = k - self.next_b[unit]
+        if k >= self.m or in_flight >= self.limit[unit]:
             return False
         return self.inputs[(unit, k)] == self.needed_inputs[unit]
 
     def _done(self) -> bool:
-        for u in self.units:
-            if self._no_backward(u):
-                if self.next_f[u] < self.m:
-                    return False
-            elif (self.next_w[u] if self.split else self.next_b[u]) < self.m:
-                return False
-        return True
-
-    def _choose(self, rank: int, tick: int) -> list[tuple[_Unit, Phase, int]]:
-        """The computes of ``rank`` in this tick: at most one per module it holds."""
-        chosen: list[tuple[_Unit, Phase, int]] = []
-        taken: set[_Unit] = set()
-        slots = self.layout.slots(rank)
-        backward = Phase.BACKWARD_INPUT if self.split else Phase.BACKWARD
-        for slot in reversed(slots):  # backwards first, downstream modules first
-            unit = (rank, slot.module)
-            if self._backward_ready(unit, tick):
-                chosen.append((unit, backward, self.next_b[unit]))
-                taken.add(unit)
-        for slot in slots:
-            unit = (rank, slot.module)
-            if unit not in taken and self._forward_ready(unit):
-                chosen.append((unit, Phase.FORWARD, self.next_f[unit]))
-                taken.add(unit)
-        for slot in reversed(slots):  # weight gradients fill what is left
-            unit = (rank, slot.module)
-            if unit not in taken and self._weight_ready(unit, tick):
-                chosen.append((unit, Phase.BACKWARD_WEIGHT, self.next_w[unit]))
-        return chosen
+        return all(
+            self.next_f[u] == self.m if self._no_backward(u) else self.next_b[u] == self.m for u in self.units
+        )
 
     def build(self) -> Schedule:
         layout = self.layout
@@ -297,11 +314,22 @@ class _LockstepBuilder:
         actions: list[list[Action]] = [[] for _ in range(world)]
         tick = 0
         while not self._done():
-            computes = [c for rank in range(world) for c in self._choose(rank, tick)]
+            computes: list[tuple[_Unit, Phase, int]] = []
+            for rank in range(world):
+                slots = layout.slots(rank)
+                for slot in reversed(slots):  # backwards first, downstream modules first
+                    unit = (rank, slot.module)
+                    if self._backward_ready(unit, tick):
+                        computes.append((unit, Phase.BACKWARD, self.next_b[unit]))
+                chosen = {u for u, _, _ in computes}
+                for slot in slots:
+                    unit = (rank, slot.module)
+                    if unit not in chosen and self._forward_ready(unit):
+                        computes.append((unit, Phase.FORWARD, self.next_f[unit]))
             if not computes:
                 raise RuntimeError(
                     f"internal error: schedule {self.name!r} stalled at tick {tick} "
-                    f"(next forwards {self.next_f}, next backwards {self.next_b}, next W {self.next_w})"
+                    f"(next forwards {self.next_f}, next backwards {self.next_b})"
                 )
             sends: dict[int, list[Transfer]] = defaultdict(list)
             recvs: dict[int, list[Transfer]] = defaultdict(list)
@@ -313,30 +341,221 @@ class _LockstepBuilder:
                 if phase is Phase.FORWARD:
                     self.next_f[unit] += 1
                     self.forward_done_tick[(unit, k)] = tick
-                    for dst_module, peer in layout.forward_targets(slot):
-                        key = MessageKey(Direction.FORWARD, module, dst_module, k)
-                        sends[rank].append(Transfer(key, peer.rank))
-                        recvs[peer.rank].append(Transfer(key, rank))
-                        arrivals.append((self.inputs, ((peer.rank, dst_module), k)))
-                elif phase is Phase.BACKWARD_WEIGHT:
-                    self.next_w[unit] += 1
-                    if not self._has_input_half(unit):
-                        self.next_b[unit] += 1  # the W was the whole backward
-                else:  # fused B or I: the input gradients go upstream now
+                    transfers = _forward_transfers(layout, slot, rank, k)
+                    counter = self.inputs
+                else:
                     self.next_b[unit] += 1
-                    for src_module, peer in layout.forward_sources(slot):
-                        if src_module in self.no_backward:
-                            continue
-                        key = MessageKey(Direction.BACKWARD, src_module, module, k)
-                        sends[rank].append(Transfer(key, peer.rank))
-                        recvs[peer.rank].append(Transfer(key, rank))
-                        arrivals.append((self.grads, ((peer.rank, src_module), k)))
+                    transfers = _gradient_transfers(layout, slot, rank, k, self.no_backward)
+                    counter = self.grads
+                for sender, t, receiver in transfers:
+                    sends[sender].append(t)
+                    recvs[receiver].append(t.mirror(sender))
+                    target = t.dst_module if phase is Phase.FORWARD else t.src_module
+                    arrivals.append((counter, ((receiver, target), k)))
             for counter, key in arrivals:  # delivered for the next tick
                 counter[key] += 1
             for rank in sorted(set(sends) | set(recvs)):
                 actions[rank].append(Exchange(tuple(sorted(sends[rank])), tuple(sorted(recvs[rank]))))
             tick += 1
         return Schedule(self.name, self.m, self.forward_only, tuple(tuple(a) for a in actions))
+
+
+class _TimedBuilder:
+    """zero_bubble: every rank runs one compute at a time on a clock with :class:`PhaseCosts`.
+
+    Whenever a rank is free it starts, among the units it holds, an ``I`` whose gradients
+    arrived (downstream modules first), else a forward whose inputs arrived and that the
+    memory rule allows, else the oldest pending ``W``. A message produced by a compute that
+    ends at time ``t`` belongs to *round* ``t``; every rank posts one :class:`Exchange` per
+    round it takes part in, in round order, after its computes that started before ``t`` and
+    before those that start at ``t`` or later. Deadlock freedom, by induction on rounds: once
+    every exchange of earlier rounds completed, every compute placed before a round-``t``
+    exchange has its inputs (they came in earlier rounds), so every rank reaches its round-``t``
+    exchange, and all its partners are in that same round.
+    """
+
+    def __init__(
+        self, layout: PipelineLayout, m: int, numbering: str, no_backward: frozenset[str],
+        memory: ZeroBubbleMemory, costs: PhaseCosts,
+    ) -> None:
+        self.layout = layout
+        self.m = m
+        self.no_backward = no_backward
+        self.memory = memory
+        self.costs = costs
+        info = _Units(layout, no_backward)
+        self.units = info.slots
+        self.needed_inputs, self.needed_grads = info.needed_inputs, info.needed_grads
+        self.consumers, self.sends_grads = info.consumers, info.sends_grads
+        # 1F1B's bound per unit, always allowed (it is what keeps 1F1B from stalling)
+        self.own_limit: dict[_Unit, float] = {
+            u: layout.depth - layout.stage_index(slot.module, slot.stage, numbering) + memory.extra
+            for u, slot in self.units.items()
+        }
+        trained = [u for u in self.units if u[1] not in no_backward]
+        if memory.bound == "max":
+            # beyond it, up to 1F1B's deepest unit, while the rank holds no more than 1F1B's
+            # fullest rank would
+            self.unit_cap = {u: float(layout.depth + memory.extra) for u in self.units}
+            per_rank: dict[int, float] = defaultdict(float)
+            for u in trained:
+                per_rank[u[0]] += min(m, self.own_limit[u])
+            self.rank_cap = max(per_rank.values(), default=0.0)
+        else:
+            self.unit_cap = dict(self.own_limit)
+            self.rank_cap = 0.0
+        self.trained_on_rank: dict[int, list[_Unit]] = defaultdict(list)
+        for u in trained:
+            self.trained_on_rank[u[0]].append(u)
+        self.next_f = {u: 0 for u in self.units}
+        self.next_i = {u: 0 for u in self.units}  # next I (or, without an I, next backward: the lone W)
+        self.next_w = {u: 0 for u in self.units}
+        # arrival times of the inputs / gradients of (unit, k)
+        self.inputs: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
+        self.grads: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
+        self.forward_end: dict[tuple[_Unit, int], float] = {}
+
+    # --- readiness at time ``now`` ----------------------------------------------------------
+
+    def _arrived(self, times: list[float], needed: int, now: float) -> bool:
+        return len(times) == needed and max(times, default=0.0) <= now
+
+    def _grads_ready(self, unit: _Unit, k: int, now: float) -> bool:
+        if self.needed_grads[unit] == 0:  # last stage of a sink: its own forward must be done
+            return self.forward_end[(unit, k)] <= now
+        return self._arrived(self.grads[(unit, k)], self.needed_grads[unit], now)
+
+    def _input_ready(self, unit: _Unit, now: float) -> bool:
+        k = self.next_i[unit]
+        if unit[1] in self.no_backward or not self.sends_grads[unit] or k >= self.next_f[unit]:
+            return False
+        return self._grads_ready(unit, k, now)
+
+    def _forward_ready(self, unit: _Unit, now: float) -> bool:
+        k = self.next_f[unit]
+        if k >= self.m:
+            return False
+        if unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
+            in_flight: float = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+            if in_flight + 1 > self.own_limit[unit] + 1e-9:
+                return False
+        else:
+            in_flight = self._held(unit)
+            within_own = in_flight + 1 <= self.own_limit[unit] + 1e-9
+            if not within_own:
+                # room beyond the unit's own 1F1B bound, keeping the others' own bounds free
+                others = [u for u in self.trained_on_rank[unit[0]] if u != unit]
+                reserved = sum(max(self._held(u), min(self.m, self.own_limit[u])) for u in others)
+                if in_flight + 1 > self.unit_cap[unit] + 1e-9 or in_flight + 1 + reserved > self.rank_cap + 1e-9:
+                    return False
+        return self._arrived(self.inputs[(unit, k)], self.needed_inputs[unit], now)
+
+    def _held(self, unit: _Unit) -> float:
+        """What a trained unit holds: whole microbatches until their I, ``weight_fraction`` after."""
+        if not self.sends_grads[unit]:
+            return self.next_f[unit] - self.next_w[unit]
+        full = self.next_f[unit] - self.next_i[unit]
+        return full + self.memory.weight_fraction * (self.next_i[unit] - self.next_w[unit])
+
+    def _weight_ready(self, unit: _Unit, now: float) -> bool:
+        if unit[1] in self.no_backward:
+            return False
+        k = self.next_w[unit]
+        if self.sends_grads[unit]:
+            return k < self.next_i[unit]
+        return k < self.next_f[unit] and self._grads_ready(unit, k, now)
+
+    def _choose(self, rank: int, now: float) -> Optional[tuple[_Unit, Phase]]:
+        slots = self.layout.slots(rank)
+        for slot in reversed(slots):  # downstream modules first
+            if self._input_ready((rank, slot.module), now):
+                return (rank, slot.module), Phase.BACKWARD_INPUT
+        for slot in slots:
+            if self._forward_ready((rank, slot.module), now):
+                return (rank, slot.module), Phase.FORWARD
+        pending = [(rank, s.module) for s in reversed(slots) if self._weight_ready((rank, s.module), now)]
+        if pending:
+            return min(pending, key=lambda u: self.next_w[u]), Phase.BACKWARD_WEIGHT
+        return None
+
+    def _done(self) -> bool:
+        return all(
+            self.next_f[u] == self.m if u[1] in self.no_backward else self.next_w[u] == self.m for u in self.units
+        )
+
+    def _cost(self, unit: _Unit, phase: Phase) -> float:
+        if phase is Phase.FORWARD:
+            return self.costs.forward
+        if phase is Phase.BACKWARD_INPUT:
+            return self.costs.input
+        return self.costs.weight if self.sends_grads[unit] else self.costs.lone_weight_cost
+
+    # --- the clock ------------------------------------------------------------------------
+
+    def build(self) -> Schedule:
+        layout = self.layout
+        world = layout.world_size
+        free_at = [0.0] * world
+        # per rank: (time, order, action); order 0 = an exchange (before computes starting then)
+        timeline: list[list[tuple[float, int, Action]]] = [[] for _ in range(world)]
+        rounds: dict[float, tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]] = {}
+        now = 0.0
+        while not self._done():
+            for rank in range(world):
+                if free_at[rank] > now:
+                    continue
+                choice = self._choose(rank, now)
+                if choice is None:
+                    continue
+                unit, phase = choice
+                self._run(unit, phase, now, timeline, rounds, free_at)
+            upcoming = [t for t in free_at if t > now]
+            upcoming += [t for times in (*self.inputs.values(), *self.grads.values()) for t in times if t > now]
+            if not upcoming:
+                if self._done():
+                    break
+                raise RuntimeError(
+                    f"internal error: zero_bubble stalled at time {now} (next forwards {self.next_f}, "
+                    f"next I {self.next_i}, next W {self.next_w})"
+                )
+            now = min(upcoming)
+        for time, (sends, recvs) in rounds.items():
+            for rank in sorted(set(sends) | set(recvs)):
+                exchange = Exchange(tuple(sorted(sends.get(rank, ()))), tuple(sorted(recvs.get(rank, ()))))
+                timeline[rank].append((time, 0, exchange))
+        actions = tuple(tuple(a for _, _, a in sorted(events, key=lambda e: e[:2])) for events in timeline)
+        return Schedule("zero_bubble", self.m, False, actions)
+
+    def _run(self, unit: _Unit, phase: Phase, now: float, timeline: list, rounds: dict, free_at: list) -> None:
+        rank, module = unit
+        slot = self.units[unit]
+        end = round(now + self._cost(unit, phase), 9)
+        free_at[rank] = end
+        if phase is Phase.FORWARD:
+            k = self.next_f[unit]
+            self.next_f[unit] += 1
+            self.forward_end[(unit, k)] = end
+            transfers = _forward_transfers(self.layout, slot, rank, k)
+        elif phase is Phase.BACKWARD_INPUT:
+            k = self.next_i[unit]
+            self.next_i[unit] += 1
+            transfers = _gradient_transfers(self.layout, slot, rank, k, self.no_backward)
+        else:
+            k = self.next_w[unit]
+            self.next_w[unit] += 1
+            if not self.sends_grads[unit]:
+                self.next_i[unit] += 1  # the lone W was the whole backward
+            transfers = []
+        timeline[rank].append((now, 1, Compute(phase, module, k)))
+        if transfers:
+            sends, recvs = rounds.setdefault(end, ({}, {}))
+            for sender, t, receiver in transfers:
+                sends.setdefault(sender, []).append(t)
+                recvs.setdefault(receiver, []).append(t.mirror(sender))
+                if phase is Phase.FORWARD:
+                    self.inputs[((receiver, t.dst_module), k)].append(end)
+                else:
+                    self.grads[((receiver, t.src_module), k)].append(end)
 
 
 def message_groups(transfers: Sequence[Transfer]) -> dict[MessageKey, list[Transfer]]:

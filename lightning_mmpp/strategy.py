@@ -83,7 +83,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             omitted when the LightningModule declares it as ``pipeline_topology``; if both are
             given they must agree.
         num_microbatches: microbatches per global batch.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zero_bubble"`` (see :mod:`lightning_mmpp.schedule`).
         stage_numbering: ``"alap"`` (default) or ``"asap"``; which global stage index bounds the
             microbatches a stage holds in flight under 1F1B (see :mod:`lightning_mmpp.topology`).
         process_group_backend: defaults to gloo on CPU, NCCL on CUDA.

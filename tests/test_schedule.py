@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
-from lightning_mmpp.schedule import build_schedule, message_groups
+from lightning_mmpp.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule, message_groups
 from lightning_mmpp.simulator import DeadlockError, simulate, validate_schedule
 
 P = ModulePlacement
@@ -111,9 +111,9 @@ def check_transfers(schedule: Schedule, layout: PipelineLayout) -> None:
         assert len(where.get((t.peer, other, mirror), [])) == 1, (rank, role, t)
 
     # a message's transfers are all in one exchange (per role) on every rank
-    message_at: dict[tuple[int, str, tuple], set[int]] = defaultdict(set)
+    message_at: dict[tuple[int, str, MessageKey], set[int]] = defaultdict(set)
     for (rank, role, t), (i,) in where.items():
-        message_at[(rank, role, (t.direction, t.src_module, t.dst_module, t.microbatch))].add(i)
+        message_at[(rank, role, t.key)].add(i)
     assert all(len(v) == 1 for v in message_at.values()), message_at
 
     # exchange i on rank r pairs with exactly one exchange on each peer q, and in order:
@@ -247,16 +247,15 @@ def test_separate_phase_costs_bubble_and_stash_units():
     assert result.bubble == result.step_time - 12
     # zero bubble: I and W costs apart; a lone W (stage 0: nothing to send upstream) costs the fused B
     zb = build_schedule(layout, 2, "zero_bubble")
-    assert [str(a) for a in zb.for_rank(1) if isinstance(a, Compute)] == ["F0:a", "I0:a", "W0:a", "F1:a", "I1:a", "W1:a"]
+    assert [str(a) for a in zb.for_rank(1) if isinstance(a, Compute)] == ["F0:a", "I0:a", "F1:a", "I1:a", "W0:a", "W1:a"]
     assert [str(a) for a in zb.for_rank(0) if isinstance(a, Compute)] == ["F0:a", "F1:a", "W0:a", "W1:a"]
     r = simulate(zb, layout, 1.0, 5.0, input_cost=2.0, weight_cost=0.5, weight_stash=0.25)
     assert r.busy == (2 * (1 + 5), 2 * (1 + 2 + 0.5))
-    assert r.peak_stashed == (2, 1)
-    assert r.peak_stash_units == (2, 1)
+    assert r.peak_stashed == (2, 2)
+    assert r.peak_stash_units == (2, 1.25)  # rank 1 after F1: F1 whole, I0 done (W0 pending)
     # rank 0: F0 F1, its lone W0 from t=4 (rank 1's I0 ends) to 9, then W1 to 14
     assert r.step_time == 14
-    one_unit = simulate(zb, layout, 1.0, 2.0, weight_stash=0.25)
-    assert one_unit.peak_stash_units == (2, 1)
+    assert r.bubble == 14 - 12
 
 
 def test_chain_with_latency_and_per_stage_costs():
@@ -547,3 +546,147 @@ def test_random_dags_with_frozen_modules(data, m, name, draw):
             if isinstance(action, Exchange):
                 for t in action.sends + action.recvs:
                     assert not (t.direction is Direction.BACKWARD and t.src_module in no_grad)
+
+
+# --- zero bubble ---------------------------------------------------------------------------------
+
+
+def check_zero_bubble(schedule: Schedule, layout: PipelineLayout, no_backward: frozenset[str],
+                      memory: ZeroBubbleMemory, numbering: str = "alap") -> None:
+    """F, I, W of every microbatch once each, in dependency order, within the memory rule."""
+    m = schedule.num_microbatches
+    for rank in range(layout.world_size):
+        for slot in layout.slots(rank):
+            seq = computes(schedule, rank, slot.module)
+            assert sorted(k for p, k in seq if p is Phase.FORWARD) == list(range(m))
+            assert not [p for p, _ in seq if p is BACKWARD]  # never a fused backward
+            inputs = [k for p, k in seq if p is Phase.BACKWARD_INPUT]
+            weights = [k for p, k in seq if p is Phase.BACKWARD_WEIGHT]
+            if slot.module in no_backward:
+                assert inputs == weights == [], (rank, slot)
+                continue
+            assert sorted(weights) == list(range(m)), (rank, slot, seq)
+            has_input = layout.sends_input_gradients(slot, no_backward)
+            assert sorted(inputs) == (list(range(m)) if has_input else []), (rank, slot, seq)
+            position = {(p, k): i for i, (p, k) in enumerate(seq)}
+            for k in range(m):
+                assert position[(FORWARD, k)] < position[(Phase.BACKWARD_WEIGHT, k)]
+                if has_input:
+                    assert position[(FORWARD, k)] < position[(Phase.BACKWARD_INPUT, k)]
+                    assert position[(Phase.BACKWARD_INPUT, k)] < position[(Phase.BACKWARD_WEIGHT, k)]
+            # the memory rule, after every forward: the unit's cap
+            own = memory.extra + layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
+            cap = memory.extra + layout.depth if memory.bound == "max" else own
+            for held in _held_after_forwards(seq, memory.weight_fraction, has_input):
+                assert held <= cap + 1e-9, (rank, slot, seq)
+    if memory.bound == "max":  # and no rank beyond 1F1B's fullest rank
+        rank_cap = max(
+            sum(min(m, memory.extra + layout.depth - layout.stage_index(s.module, s.stage, numbering))
+                for s in layout.slots(r) if s.module not in no_backward)
+            for r in range(layout.world_size)
+        )
+        for rank in range(layout.world_size):
+            assert _rank_peak(schedule, layout, rank, no_backward, memory.weight_fraction) <= rank_cap + 1e-9, rank
+
+
+def _held_after_forwards(seq, fraction: float, has_input: bool) -> list[float]:
+    full = deferred = 0
+    out = []
+    for p, _ in seq:
+        if p is FORWARD:
+            full += 1
+            out.append(full + fraction * deferred)
+        elif p is Phase.BACKWARD_INPUT:
+            full, deferred = full - 1, deferred + 1
+        elif has_input:
+            deferred -= 1
+        else:
+            full -= 1
+    return out
+
+
+def _rank_peak(schedule: Schedule, layout: PipelineLayout, rank: int, no_backward, fraction: float) -> float:
+    """The most a rank holds at once, over its trained units, along its action list."""
+    has_input = {s.module: layout.sends_input_gradients(s, no_backward) for s in layout.slots(rank)}
+    full: Counter = Counter()
+    deferred: Counter = Counter()
+    peak = 0.0
+    for a in schedule.for_rank(rank):
+        if not isinstance(a, Compute) or a.module in no_backward:
+            continue
+        if a.phase is FORWARD:
+            full[a.module] += 1
+        elif a.phase is Phase.BACKWARD_INPUT:
+            full[a.module] -= 1
+            deferred[a.module] += 1
+        elif has_input[a.module]:
+            deferred[a.module] -= 1
+        else:
+            full[a.module] -= 1
+        peak = max(peak, sum(full.values()) + fraction * sum(deferred.values()))
+    return peak
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(
+    random_layouts(),
+    st.integers(1, 9),
+    st.sampled_from([ZeroBubbleMemory(), ZeroBubbleMemory("stage"), ZeroBubbleMemory("max", 0.5, 1),
+                     ZeroBubbleMemory("stage", 0.0)]),
+    st.sampled_from(["alap", "asap"]),
+    st.data(),
+)
+def test_random_dags_zero_bubble(data, m, memory, numbering, draw):
+    placements, topology = data
+    layout = PipelineLayout(placements, topology)
+    frozen = {mod for mod in layout.modules if draw.draw(st.booleans())}
+    no_backward = layout.no_backward_modules(frozen)
+    costs = draw.draw(st.sampled_from([PhaseCosts(), PhaseCosts(1.0, 2.0, 0.5), PhaseCosts(3.0, 1.0, 1.0)]))
+    schedule = build_schedule(layout, m, "zero_bubble", numbering=numbering, no_backward_modules=no_backward,
+                              memory=memory, costs=costs)
+    assert (schedule.name, schedule.forward_only) == ("zero_bubble", False)
+    validate_schedule(schedule, layout, no_backward)  # coverage, order, transfers, causality, no deadlock
+    check_zero_bubble(schedule, layout, no_backward, memory, numbering)
+    sent = [t for r in range(layout.world_size) for a in schedule.for_rank(r) if isinstance(a, Exchange) for t in a.sends]
+    assert not [t for t in sent if t.direction is Direction.BACKWARD and t.src_module in no_backward]
+    strict = simulate(schedule, layout, TF, TB, mode="rendezvous")
+    eager = simulate(schedule, layout, TF, TB, mode="eager")
+    assert eager.step_time <= strict.step_time + 1e-9
+    assert strict.peak_stashed == eager.peak_stashed
+    # same work as 1F1B: I + W cost the fused backward
+    one_f_one_b = simulate(build_schedule(layout, m, "1f1b", numbering=numbering, no_backward_modules=no_backward),
+                           layout, TF, TB, mode="eager")
+    assert eager.busy == pytest.approx(one_f_one_b.busy)
+
+
+def test_zero_bubble_chain_removes_two_thirds_of_the_bubble():
+    # ZB-H1 on a 4-stage chain, F = I = W = 1 (fused B = 2), m = 8: step 27 against 1F1B's 33,
+    # bubble (step - busiest rank's compute) 3 against 9
+    layout = chain(4)
+    zb = simulate(build_schedule(layout, 8, "zero_bubble"), layout, 1.0, 2.0, mode="eager")
+    base = simulate(build_schedule(layout, 8, "1f1b"), layout, 1.0, 2.0, mode="eager")
+    assert (zb.step_time, zb.bubble, base.step_time, base.bubble) == (27, 3, 33, 9)
+    assert zb.peak_stashed == (4, 4, 4, 4)  # 1F1B's busiest rank holds 4 too
+    stage = simulate(build_schedule(layout, 8, "zero_bubble", memory=ZeroBubbleMemory("stage")), layout, 1, 2,
+                     mode="eager")
+    assert stage.peak_stashed == base.peak_stashed == (4, 3, 2, 1)
+    assert base.step_time > stage.step_time > zb.step_time
+
+
+def test_zero_bubble_forward_only_and_bad_memory():
+    layout = chain(3)
+    assert build_schedule(layout, 4, "zero_bubble", forward_only=True).actions == \
+        build_schedule(layout, 4, "gpipe", forward_only=True).actions
+    with pytest.raises(PipelineConfigError, match="bound='none'"):
+        ZeroBubbleMemory("none")
+    with pytest.raises(PipelineConfigError, match="weight_fraction=2"):
+        ZeroBubbleMemory(weight_fraction=2)
+    with pytest.raises(PipelineConfigError, match="every cost must be > 0"):
+        PhaseCosts(input=0)
+    with pytest.raises(PipelineConfigError, match="every cost must be > 0"):
+        PhaseCosts(lone_weight=-1.0)
+    assert PhaseCosts(input=2.0, weight=0.5).lone_weight_cost == 2.5
+    # the planning costs shape the order, never the correctness
+    layout = two_encoders()
+    cheap_w = build_schedule(layout, 6, "zero_bubble", costs=PhaseCosts(weight=0.25, lone_weight=0.25))
+    validate_schedule(cheap_w, layout)

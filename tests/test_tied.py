@@ -106,6 +106,7 @@ CASES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.distributed
