@@ -57,6 +57,7 @@ same exchange (``tests/test_schedule.py`` checks it on random layouts).
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -414,6 +415,7 @@ class _TimedBuilder:
         self.inputs: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
         self.grads: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
         self.forward_end: dict[tuple[_Unit, int], float] = {}
+        self.ends: list[float] = []  # heap of the end times of the computes started so far
 
     # --- readiness at time ``now`` ----------------------------------------------------------
 
@@ -509,16 +511,17 @@ class _TimedBuilder:
                     continue
                 unit, phase = choice
                 self._run(unit, phase, now, timeline, rounds, free_at)
-            upcoming = [t for t in free_at if t > now]
-            upcoming += [t for times in (*self.inputs.values(), *self.grads.values()) for t in times if t > now]
-            if not upcoming:
+            # every arrival and every rank becoming free is the end of a compute
+            while self.ends and self.ends[0] <= now:
+                heapq.heappop(self.ends)
+            if not self.ends:
                 if self._done():
                     break
                 raise RuntimeError(
                     f"internal error: zero_bubble stalled at time {now} (next forwards {self.next_f}, "
                     f"next I {self.next_i}, next W {self.next_w})"
                 )
-            now = min(upcoming)
+            now = heapq.heappop(self.ends)
         for time, (sends, recvs) in rounds.items():
             for rank in sorted(set(sends) | set(recvs)):
                 exchange = Exchange(tuple(sorted(sends.get(rank, ()))), tuple(sorted(recvs.get(rank, ()))))
@@ -531,6 +534,7 @@ class _TimedBuilder:
         slot = self.units[unit]
         end = round(now + self._cost(unit, phase), 9)
         free_at[rank] = end
+        heapq.heappush(self.ends, end)
         if phase is Phase.FORWARD:
             k = self.next_f[unit]
             self.next_f[unit] += 1
