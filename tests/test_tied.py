@@ -106,6 +106,7 @@ CASES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", list(CASES))
 def test_tied_weights_train_like_one_process(case):
