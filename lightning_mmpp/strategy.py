@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -41,6 +41,7 @@ from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan
 from lightning_mmpp.data_parallel import StageGradients
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.initialization import has_meta_tensors
+from lightning_mmpp.launch import PipelineMultiProcessingLauncher
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
 from lightning_mmpp.microbatch import (
@@ -301,7 +302,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            # brings the whole trained model (or a clear warning) back to the launching process
+            self._launcher = PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
