@@ -6,8 +6,12 @@
 
 Layout (gloo on CPU, NCCL on GPUs):
 
-    rank 0  vision (timm ViT blocks, frozen) + proj (the projector, trained) --> rank 1  llm stage 0
-                                                                             --> rank 2  llm stage 1 (loss)
+    rank 0  vision (timm ViT blocks, frozen) --> rank 1  proj (projector) + llm stage 0 --> rank 2  llm stage 1
+                                                                                            (loss)
+
+The projector is a pp=1 module on the ranks of the LM's first stage. The LM ties its input
+embedding to its output head (``tie_word_embeddings``, as small Llama configurations do): the
+first and the last stage each keep a copy, and their gradients are summed every step.
 
 The modules are created in ``configure_model()``, so under the strategy they are built on the
 meta device: each rank allocates only the stages it holds. The vision encoder and the language
@@ -61,12 +65,12 @@ def _extras() -> tuple[Any, Any, Any]:
     return safetensors.torch, vit, LlamaConfig
 
 
-def llama_config(width: int, layers: int) -> Any:
+def llama_config(width: int, layers: int, tie: bool = True) -> Any:
     _, _, LlamaConfig = _extras()
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
         num_attention_heads=max(1, width // 16), num_key_value_heads=max(1, width // 32),
-        max_position_embeddings=PATCHES + MAX_TEXT, tie_word_embeddings=False, attn_implementation="sdpa",
+        max_position_embeddings=PATCHES + MAX_TEXT, tie_word_embeddings=tie, attn_implementation="sdpa",
     )
 
 
@@ -150,7 +154,8 @@ class VisionLanguageModel(L.LightningModule):
 
     pipeline_topology = {"vision": ["proj"], "proj": ["llm"], "llm": []}
 
-    def __init__(self, width: int = 64, layers: int = 4, vision_layers: int = 2, lr: float = 3e-3) -> None:
+    def __init__(self, width: int = 64, layers: int = 4, vision_layers: int = 2, lr: float = 3e-3,
+                 tie: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
 
@@ -167,10 +172,12 @@ class VisionLanguageModel(L.LightningModule):
         )
         self.vision.requires_grad_(False)  # a frozen pretrained encoder
         self.proj = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-        config = llama_config(width, hp.layers)
+        config = llama_config(width, hp.layers, hp.tie)
         self.llm = nn.Sequential(
             TokenEmbed(width), *[DecoderLayer(config, i) for i in range(hp.layers)], LMHead(config)
         )
+        if config.tie_word_embeddings:  # the PyTorch idiom; the two ends land on different stages
+            self.llm[-1].lm_head.weight = self.llm[0].embed_tokens.weight
 
     def pipeline_inputs(self, module: str, batch: dict[str, torch.Tensor], upstream: dict[str, Any]) -> Any:
         if module == "vision":
@@ -207,13 +214,14 @@ class VisionLanguageModel(L.LightningModule):
 # --- pretrained files (what a download would leave), and their key maps ---------------------
 
 
-def write_pretrained(directory: Path, width: int, layers: int, vision_layers: int, seed: int = 0) -> dict[str, Path]:
+def write_pretrained(directory: Path, width: int, layers: int, vision_layers: int, tie: bool = True,
+                     seed: int = 0) -> dict[str, Path]:
     """Write a timm ViT and a Hugging Face Llama state dict once, in their own key names."""
     safetensors_torch, vit, _ = _extras()
     from transformers import LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
-    tag = f"w{width}_l{layers}_v{vision_layers}"
+    tag = f"w{width}_l{layers}_v{vision_layers}{'_tied' if tie else ''}"
     paths = {"vision": directory / f"vit_{tag}.safetensors", "llm": directory / f"llama_{tag}.safetensors"}
     if all(p.exists() for p in paths.values()):
         return paths
@@ -222,10 +230,13 @@ def write_pretrained(directory: Path, width: int, layers: int, vision_layers: in
         img_size=IMAGE, patch_size=PATCH, embed_dim=width, depth=vision_layers, num_heads=max(1, width // 16),
         num_classes=0, class_token=False, global_pool="", qkv_bias=True,
     )
-    lm = LlamaForCausalLM(llama_config(width, layers))
+    lm = LlamaForCausalLM(llama_config(width, layers, tie))
     for name, module in (("vision", encoder), ("llm", lm)):
         tmp = paths[name].with_suffix(f".{os.getpid()}.tmp")
-        safetensors_torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp))
+        state = module.state_dict()
+        if name == "llm" and tie:
+            del state["lm_head.weight"]  # stored once, as Hugging Face does for tied embeddings
+        safetensors_torch.save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
         os.replace(tmp, paths[name])  # atomic: ranks started later see a whole file
     return paths
 
@@ -303,9 +314,9 @@ def make_loader(batch_size: int, batches: int, seed: int = 0, shuffle: bool = Tr
 
 def placements() -> dict[str, ModulePlacement]:
     return {
-        "vision": ModulePlacement(rank_offset=0),
-        "proj": ModulePlacement(rank_offset=0),
-        "llm": ModulePlacement(pp=2),
+        "vision": ModulePlacement(),  # rank 0
+        "llm": ModulePlacement(pp=2),  # ranks 1-2
+        "proj": ModulePlacement(rank_offset=1),  # beside the LM's first stage
     }
 
 
@@ -328,11 +339,13 @@ def main(argv: Optional[list[str]] = None) -> list[float]:
     parser.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed"')
     parser.add_argument("--weights-dir", default="vlm_weights", help="where the pretrained files are written once")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--untied", action="store_true", help="separate input embedding and output head")
     args = parser.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
-    paths = write_pretrained(Path(args.weights_dir), args.width, args.layers, args.vision_layers)
-    model = VisionLanguageModel(args.width, args.layers, args.vision_layers)
+    tie = not args.untied
+    paths = write_pretrained(Path(args.weights_dir), args.width, args.layers, args.vision_layers, tie)
+    model = VisionLanguageModel(args.width, args.layers, args.vision_layers, tie=tie)
     strategy = MultiModulePipelineStrategy(
         placements(), VisionLanguageModel.pipeline_topology, num_microbatches=args.microbatches,
         pretrained=pretrained_sources(paths, args.layers, args.vision_layers),

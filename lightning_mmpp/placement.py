@@ -33,7 +33,9 @@ class ModulePlacement:
         dp: data-parallel replicas of every stage.
         rank_offset: first rank of the module's ``pp * dp`` ranks. ``None`` places the module
             right after the modules declared before it. Two modules with the same
-            ``rank_offset``, ``pp`` and ``dp`` are colocated (the same ranks run both).
+            ``rank_offset``, ``pp`` and ``dp`` are colocated (the same ranks run both); a
+            ``pp=1`` module may also sit on exactly the ranks of one stage of another module
+            with its dp (``rank_offset`` = that module's offset + stage * dp).
         split_points: explicit stage boundaries, the index of the first layer of stages
             ``1 .. pp-1`` (``pp - 1`` increasing numbers). ``None`` balances the stages by
             parameter count.
@@ -106,6 +108,17 @@ class BridgePeer:
     num_chunks: int
 
 
+def _beside_one_stage(offset_a: int, a: ModulePlacement, offset_b: int, b: ModulePlacement) -> bool:
+    """Whether one of two overlapping modules is a ``pp=1`` module on exactly the ranks of one
+    stage of the other (same dp): an adapter or projector beside, say, the LM's first stage."""
+    for (o_small, small), (o_big, big) in (((offset_a, a), (offset_b, b)), ((offset_b, b), (offset_a, a))):
+        if small.pp == 1 and small.dp == big.dp and big.pp > 1:
+            shift = o_small - o_big
+            if shift % big.dp == 0 and 0 <= shift // big.dp < big.pp:
+                return True
+    return False
+
+
 class PipelineLayout:
     """The placement of every module on ranks ``0 .. world_size - 1``.
 
@@ -168,14 +181,15 @@ class PipelineLayout:
                     owner[rank] = module
                     continue
                 a, b = self.placements[other], placement
-                if (offsets[other], a.pp, a.dp) != (offsets[module], b.pp, b.dp):
+                same_ranks = (offsets[other], a.pp, a.dp) == (offsets[module], b.pp, b.dp)
+                if not same_ranks and not _beside_one_stage(offsets[other], a, offsets[module], b):
                     raise PipelineConfigError(
                         f"modules {other!r} (ranks {offsets[other]}-{offsets[other] + a.size - 1}, pp={a.pp}, "
                         f"dp={a.dp}) and {module!r} (ranks {offsets[module]}-{offsets[module] + b.size - 1}, "
                         f"pp={b.pp}, dp={b.dp}) overlap on rank {rank}. Colocated modules need the same "
-                        "rank_offset, pp and dp; otherwise give them disjoint rank ranges."
+                        "rank_offset, pp and dp, or a pp=1 module with the other's dp on exactly the ranks of "
+                        "one of its stages; otherwise give them disjoint rank ranges."
                     )
-                break  # same range as an earlier module: colocated, checked once
         world = max(offsets[m] + p.size for m, p in self.placements.items())
         empty = [r for r in range(world) if r not in owner]
         if empty:

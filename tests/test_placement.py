@@ -648,3 +648,13 @@ def test_random_layouts(data):
     assert len(groups) == sum(p.pp for p in placements.values() if p.dp > 1)
     assert len(layout.table().splitlines()) == world + 1
     assert n.depth == layout.depth
+
+
+def test_module_beside_a_stage_declared_before_the_owner_covers_every_rank():
+    """A pp=1 module declared first on the ranks of another module's stage 0: the later stages'
+    ranks still belong to that module (no false 'gap')."""
+    layout = PipelineLayout({"enc": ModulePlacement(rank_offset=0), "llm": ModulePlacement(pp=2, rank_offset=0)},
+                            {"enc": ["llm"], "llm": []})
+    assert layout.world_size == 2
+    assert [s.module for s in layout.slots(0)] == ["enc", "llm"]
+    assert [(s.module, s.stage) for s in layout.slots(1)] == [("llm", 1)]

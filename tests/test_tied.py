@@ -143,3 +143,39 @@ def test_pretrained_source_with_one_name_of_a_tied_tensor(tmp_path):
     load_pretrained(model, {"llm": str(tmp_path / "llm.pt")}, seed=0)
     assert model.llm[4].out.weight is model.llm[0].emb.weight
     assert torch.equal(model.llm[4].out.weight, values.llm[0].emb.weight)
+
+
+def _save_resume(rank, world, root):
+    topology, placements = ONE_ENC, {"enc_a": P(), "llm": P(pp=2)}
+    L.seed_everything(11, verbose=False)
+    model = TiedModel(topology, optimizer="adam")
+    kwargs = _kwargs(world)
+    kwargs["max_steps"] = 2
+    trainer = L.Trainer(**kwargs, strategy=MultiModulePipelineStrategy(placements, topology, num_microbatches=2))
+    trainer.fit(model, make_loader(topology, 8, 16))
+    trainer.save_checkpoint(f"{root}/tied.ckpt")
+    resumed = TiedModel(topology, optimizer="adam")
+    trainer = L.Trainer(**_kwargs(world), strategy=MultiModulePipelineStrategy(placements, topology, num_microbatches=2))
+    trainer.fit(resumed, make_loader(topology, 8, 16), ckpt_path=f"{root}/tied.ckpt")
+    return _all_params(resumed)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_tied_weights_resume_and_export(tmp_path):
+    """A checkpoint of a tied model resumes exactly; its export loads into one process, still tied."""
+    from lightning_mmpp import export_checkpoint
+
+    reference = TiedModel(ONE_ENC, optimizer="adam")
+    L.Trainer(**_kwargs(1)).fit(reference, make_loader(ONE_ENC, 8, 16))  # 2 batches an epoch, 3 steps
+    final = _all_params(reference)
+    per_rank = run_distributed(_save_resume, 3, str(tmp_path), timeout=200, init_pg=False)
+    for end in per_rank:
+        for name, value in end.items():
+            torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=name)
+    export_checkpoint(tmp_path / "tied.ckpt", tmp_path / "one.ckpt")
+    loaded = TiedModel.load_from_checkpoint(tmp_path / "one.ckpt", topology=ONE_ENC, weights_only=False)
+    assert loaded.llm[4].out.weight is loaded.llm[0].emb.weight
+    two_steps = TiedModel(ONE_ENC, optimizer="adam")
+    L.Trainer(**{**_kwargs(1), "max_steps": 2}).fit(two_steps, make_loader(ONE_ENC, 8, 16))
+    torch.testing.assert_close(loaded.llm[0].emb.weight, two_steps.llm[0].emb.weight, rtol=1e-5, atol=1e-6)

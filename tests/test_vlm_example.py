@@ -39,7 +39,7 @@ def _trainer_kwargs(devices: int, precision: str = "32-true") -> dict:
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _pipelined(rank, world, paths):
@@ -80,8 +80,14 @@ def test_vlm_example_matches_one_process(tmp_path):
     seen = set()
     for result in per_rank:
         for name, value in result["params"].items():
-            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+            # AdamW: a near-zero gradient's rounding can move one element by ~1e-5; a wrong gradient
+            # moves whole tensors by lr = 3e-3 per step
+            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
             seen.add(name)
         assert all(math.isfinite(x) for x in result["bf16_losses"]) and len(result["bf16_losses"]) == 2
     assert seen == set(expected)
+    tied = ("llm.0.embed_tokens.weight", f"llm.{SIZE['layers'] + 1}.lm_head.weight")
+    copies = [r["params"][n] for r in per_rank for n in tied if n in r["params"]]
+    assert len(copies) == 2 and torch.equal(copies[0], copies[1])  # first and last stage, equal
     assert len({r["loss"] for r in per_rank}) == 1
