@@ -1,4 +1,8 @@
-"""The launching process after ``fit`` under ``start_method="fork"`` / ``"spawn"``.
+"""The strategy's launchers: configuration checks before any worker starts, and the launching
+process after ``fit`` under ``start_method="fork"`` / ``"spawn"``.
+
+Both launchers run the strategy's ``check_before_launch`` in the launching process, so an error
+knowable there is raised once, before any worker starts.
 
 Lightning's multiprocessing launcher hands rank 0's ``state_dict`` back to the launching
 process and loads it with ``strict=False``. Under the pipeline strategy rank 0 holds only its
@@ -19,16 +23,16 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lightning_mmpp.initialization import has_meta_tensors
-from lightning_mmpp.plugins import CheckedMultiProcessingLauncher
 
-__all__ = ["PipelineMultiProcessingLauncher"]
+__all__ = ["CheckedSubprocessLauncher", "PipelineMultiProcessingLauncher"]
 
 NO_WEIGHTS_IN_PARENT = (
     "MultiModulePipelineStrategy: the model in the launching process was built in configure_model() or on the meta "
@@ -49,10 +53,24 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-class PipelineMultiProcessingLauncher(CheckedMultiProcessingLauncher):
-    """The checking spawn/fork launcher that also brings the whole trained model back to the parent."""
+class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
+
+    def __init__(self, strategy: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self._pipeline_strategy = strategy
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._pipeline_strategy.check_before_launch(trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher with the strategy's pre-launch checks, bringing the whole
+    trained model back to the parent."""
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
         # decided in the parent, read in the workers (the launcher travels with them)
         lm = trainer.lightning_module if trainer is not None else None
         self._parent_holds_model = lm is not None and self._model_is_built(lm)

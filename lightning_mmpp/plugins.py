@@ -6,8 +6,8 @@
   copy of the run's precision plugin (any class; its state, e.g. a scaler, is shared) whose
   class adds one override: ``clip_grad_by_norm`` asks the strategy for the global norm over
   every module and rank. The user's plugin object is left untouched.
-* Launchers. Lightning's script and multiprocessing launchers, with the strategy's
-  configuration checks run before any worker starts (``check_before_launch``).
+
+The launchers live in :mod:`lightning_mmpp.launch`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Union
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 if TYPE_CHECKING:
     from lightning_mmpp.strategy import MultiModulePipelineStrategy
 
-__all__ = ["CheckedMultiProcessingLauncher", "CheckedSubprocessLauncher", "with_global_norm_clipping"]
+__all__ = ["with_global_norm_clipping"]
 
 
 class _GlobalNormClipping:
@@ -59,23 +58,3 @@ def with_global_norm_clipping(plugin: Precision, strategy: "MultiModulePipelineS
     clone.__dict__.update(plugin.__dict__)
     clone.pipeline_strategy = strategy
     return clone
-
-
-class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher; the strategy's pre-launch checks run before any child starts."""
-
-    def __init__(self, strategy: "MultiModulePipelineStrategy", *args: Any) -> None:
-        super().__init__(*args)
-        self._pipeline_strategy = strategy
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._pipeline_strategy.check_before_launch(trainer, args)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher; the strategy's pre-launch checks run before any worker starts."""
-
-    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        self._strategy.check_before_launch(trainer, args)  # type: ignore[attr-defined]
-        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -46,13 +46,13 @@ from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.initialization import has_meta_tensors
 from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
 from lightning_mmpp.preemption import PreemptionHandler, preemption_signals, stop_at_boundary
-from lightning_mmpp.launch import PipelineMultiProcessingLauncher
+from lightning_mmpp.launch import CheckedSubprocessLauncher, PipelineMultiProcessingLauncher
 from lightning_mmpp.loops import install_pipeline_optimization
 from lightning_mmpp.metrics import MetricReducer
 from lightning_mmpp.microbatch import BatchSplitter, batch_size_of, microbatch_count, same_order_on_every_rank
 from lightning_mmpp.partition import Partition, check_model, partition_model
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plugins import CheckedSubprocessLauncher, with_global_norm_clipping
+from lightning_mmpp.plugins import with_global_norm_clipping
 from lightning_mmpp.predict import SinkOutputGatherer
 from lightning_mmpp.pretrained import PretrainedWeights
 from lightning_mmpp.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
