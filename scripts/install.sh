@@ -27,3 +27,11 @@ if [ -n "$extras" ]; then
 else
   "$PY" -m pip install --quiet -e . "torch==$TORCH"
 fi
+# The only torchvision some registries offer is built against CUDA torch and fails to import
+# beside a CPU torch (which then breaks every import of timm/transformers/lightning that probes
+# it). Remove a torchvision that cannot load: the examples' tests then skip with that reason.
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)" \
+   && ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
+  echo "install.sh: torchvision does not load with torch $TORCH; uninstalling it (timm-based examples skip)" >&2
+  "$PY" -m pip uninstall --quiet -y torchvision
+fi
