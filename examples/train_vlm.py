@@ -1,12 +1,12 @@
 """Train a small LLaVA-style vision-language model built from real parts, loaded from pretrained files.
 
-    pip install -e .[examples]        # safetensors, timm, transformers (scripts/install.sh examples)
+    pip install -e .[examples]        # safetensors, transformers (scripts/install.sh examples)
     python examples/train_vlm.py      # 3 CPU processes, a few minutes at the default size
     python examples/train_vlm.py --width 512 --layers 8 --precision bf16-mixed
 
 Layout (gloo on CPU, NCCL on GPUs):
 
-    rank 0  vision (timm ViT blocks, frozen) --> rank 1  proj (projector) + llm stage 0 --> rank 2  llm stage 1
+    rank 0  vision (SigLIP layers, frozen) --> rank 1  proj (projector) + llm stage 0 --> rank 2  llm stage 1
                                                                                             (loss)
 
 The projector is a pp=1 module on the ranks of the LM's first stage. The LM ties its input
@@ -16,7 +16,7 @@ first and the last stage each keep a copy, and their gradients are summed every 
 The modules are created in ``configure_model()``, so under the strategy they are built on the
 meta device: each rank allocates only the stages it holds. The vision encoder and the language
 model start from pretrained files that this script writes once, the way a download would leave
-them: a timm ``VisionTransformer`` state dict and a Hugging Face ``LlamaForCausalLM`` state dict,
+them: a Hugging Face ``SiglipVisionModel`` state dict and a ``LlamaForCausalLM`` state dict,
 both as ``.safetensors`` in their libraries' own key names. ``pretrained=`` with a ``key_map``
 renames those keys into the pipelined ``nn.Sequential`` names; each rank reads only its own
 tensors. The projector has no pretrained weights: ``materialize`` initialises it from the seed.
@@ -55,14 +55,21 @@ VOCAB = 32
 def _extras() -> tuple[Any, Any, Any]:
     try:
         import safetensors.torch
-        import timm.models.vision_transformer as vit
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig, SiglipVisionConfig
     except ImportError as err:
         raise SystemExit(
             f"examples/train_vlm.py needs the 'examples' extra ({err}): pip install -e '.[examples]' "
             "(scripts/install.sh examples keeps your torch build)."
         ) from err
-    return safetensors.torch, vit, LlamaConfig
+    return safetensors.torch, SiglipVisionConfig, LlamaConfig
+
+
+def siglip_config(width: int, layers: int) -> Any:
+    _, SiglipVisionConfig, _ = _extras()
+    return SiglipVisionConfig(
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 16), image_size=IMAGE, patch_size=PATCH, attn_implementation="sdpa",
+    )
 
 
 def llama_config(width: int, layers: int, tie: bool = True) -> Any:
@@ -78,19 +85,30 @@ def llama_config(width: int, layers: int, tie: bool = True) -> Any:
 
 
 class PatchEmbed(nn.Module):
-    """Image -> patch tokens with learned positions (a timm ViT's ``patch_embed`` + ``pos_embed``)."""
+    """Image -> patch tokens with learned positions (SigLIP's ``embeddings``, in its own names)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.proj = nn.Conv2d(3, width, PATCH, stride=PATCH)
-        self.pos_embed = nn.Parameter(torch.empty(1, PATCHES, width))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        self.patch_embedding = nn.Conv2d(3, width, PATCH, stride=PATCH)
+        self.position_embedding = nn.Embedding(PATCHES, width)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        return self.proj(image).flatten(2).transpose(1, 2) + self.pos_embed
+        patches = self.patch_embedding(image).flatten(2).transpose(1, 2)
+        return patches + self.position_embedding.weight
+
+
+class VisionLayer(nn.Module):
+    """A Hugging Face ``SiglipEncoderLayer`` (full attention over the patches, no mask)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
+        self.layer = SiglipEncoderLayer(config)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.layer(h, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
 
 
 class TokenEmbed(nn.Module):
@@ -150,7 +168,7 @@ class LMHead(nn.Module):
 
 
 class VisionLanguageModel(L.LightningModule):
-    """``vision`` (frozen ViT) -> ``proj`` (projector) -> ``llm`` (Llama decoder layers)."""
+    """``vision`` (frozen SigLIP encoder) -> ``proj`` (projector) -> ``llm`` (Llama decoder layers)."""
 
     pipeline_topology = {"vision": ["proj"], "proj": ["llm"], "llm": []}
 
@@ -162,13 +180,13 @@ class VisionLanguageModel(L.LightningModule):
     def configure_model(self) -> None:
         if hasattr(self, "llm"):  # Lightning calls the hook on every Trainer call
             return
-        _, vit, _ = _extras()
         hp = self.hparams
         width = hp.width
+        vision_config = siglip_config(width, hp.vision_layers)
         self.vision = nn.Sequential(
             PatchEmbed(width),
-            *[vit.Block(width, num_heads=max(1, width // 16), qkv_bias=True) for _ in range(hp.vision_layers)],
-            nn.LayerNorm(width, eps=1e-6),
+            *[VisionLayer(vision_config) for _ in range(hp.vision_layers)],
+            nn.LayerNorm(width, eps=vision_config.layer_norm_eps),
         )
         self.vision.requires_grad_(False)  # a frozen pretrained encoder
         self.proj = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
@@ -216,20 +234,17 @@ class VisionLanguageModel(L.LightningModule):
 
 def write_pretrained(directory: Path, width: int, layers: int, vision_layers: int, tie: bool = True,
                      seed: int = 0) -> dict[str, Path]:
-    """Write a timm ViT and a Hugging Face Llama state dict once, in their own key names."""
-    safetensors_torch, vit, _ = _extras()
-    from transformers import LlamaForCausalLM
+    """Write a Hugging Face SigLIP vision encoder and Llama state dict once, in their own key names."""
+    safetensors_torch, _, _ = _extras()
+    from transformers import LlamaForCausalLM, SiglipVisionModel
 
     directory.mkdir(parents=True, exist_ok=True)
     tag = f"w{width}_l{layers}_v{vision_layers}{'_tied' if tie else ''}"
-    paths = {"vision": directory / f"vit_{tag}.safetensors", "llm": directory / f"llama_{tag}.safetensors"}
+    paths = {"vision": directory / f"siglip_{tag}.safetensors", "llm": directory / f"llama_{tag}.safetensors"}
     if all(p.exists() for p in paths.values()):
         return paths
     torch.manual_seed(seed)
-    encoder = vit.VisionTransformer(
-        img_size=IMAGE, patch_size=PATCH, embed_dim=width, depth=vision_layers, num_heads=max(1, width // 16),
-        num_classes=0, class_token=False, global_pool="", qkv_bias=True,
-    )
+    encoder = SiglipVisionModel(siglip_config(width, vision_layers))
     lm = LlamaForCausalLM(llama_config(width, layers, tie))
     for name, module in (("vision", encoder), ("llm", lm)):
         tmp = paths[name].with_suffix(f".{os.getpid()}.tmp")
@@ -241,18 +256,19 @@ def write_pretrained(directory: Path, width: int, layers: int, vision_layers: in
     return paths
 
 
-def from_timm(vision_layers: int):
-    """timm ``VisionTransformer`` names -> ``self.vision`` names."""
+def from_hf_siglip(vision_layers: int):
+    """Hugging Face ``SiglipVisionModel`` names (with or without ``vision_model.``) -> ``self.vision`` names."""
 
     def key_map(key: str) -> Optional[str]:
-        if key == "pos_embed" or key.startswith("patch_embed.proj."):
-            return "0." + key.replace("patch_embed.", "")
-        if key.startswith("blocks."):
-            index, rest = key[len("blocks."):].split(".", 1)
-            return f"{int(index) + 1}.{rest}"
-        if key.startswith("norm."):
-            return f"{vision_layers + 1}.{key[len('norm.'):]}"
-        return None  # a classifier head, if any: not part of the encoder
+        key = key.removeprefix("vision_model.")
+        if key.startswith("embeddings."):
+            return "0." + key[len("embeddings."):]
+        if key.startswith("encoder.layers."):
+            index, rest = key[len("encoder.layers."):].split(".", 1)
+            return f"{int(index) + 1}.layer.{rest}"
+        if key.startswith("post_layernorm."):
+            return f"{vision_layers + 1}.{key[len('post_layernorm.'):]}"
+        return None  # the attention-pooling head: not part of the token encoder
 
     return key_map
 
@@ -277,7 +293,7 @@ def from_hf_llama(layers: int):
 
 def pretrained_sources(paths: dict[str, Path], layers: int, vision_layers: int) -> dict[str, PretrainedWeights]:
     return {
-        "vision": PretrainedWeights(paths["vision"], key_map=from_timm(vision_layers)),
+        "vision": PretrainedWeights(paths["vision"], key_map=from_hf_siglip(vision_layers)),
         "llm": PretrainedWeights(paths["llm"], key_map=from_hf_llama(layers)),
     }
 
@@ -330,9 +346,9 @@ class LossHistory(L.Callback):
 
 def main(argv: Optional[list[str]] = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=64, help="hidden size of the ViT and the LM")
+    parser.add_argument("--width", type=int, default=64, help="hidden size of the vision encoder and the LM")
     parser.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
-    parser.add_argument("--vision-layers", type=int, default=2, help="ViT blocks")
+    parser.add_argument("--vision-layers", type=int, default=2, help="SigLIP encoder layers")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4)
