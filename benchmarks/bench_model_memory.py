@@ -26,7 +26,6 @@ separate process first, so no worker inherits the whole model.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import tempfile
@@ -38,12 +37,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from benchmarks.common import machine, section, table  # noqa: E402
+from benchmarks.common import machine, proc_status, section, start_memory_measurement, table  # noqa: E402
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 MIB = 1024 * 1024
-_M_MMAP_THRESHOLD = -3
 MODES = ("eager", "meta", "safetensors", "dcp")
 
 
@@ -75,13 +73,6 @@ class Net(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-4, foreach=False)
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
 
 def _write(rank: int, world: int, width: int, layers: int, directory: str) -> None:
     import safetensors.torch
@@ -94,12 +85,7 @@ def _write(rank: int, world: int, width: int, layers: int, directory: str) -> No
 
 def worker(rank: int, world: int, mode: str, width: int, layers: int, pp: int, directory: str, optimizer: str) -> dict:
     cuda = torch.cuda.is_available()
-    # a fixed mmap threshold: glibc otherwise raises it after the first large free, and freed
-    # tensors then stay in the heap (resident) instead of going back to the OS
-    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _status("VmRSS")
+    base = start_memory_measurement()
     pretrained = None
     if mode == "safetensors":
         pretrained = {"net": os.path.join(directory, "net.safetensors")}
@@ -119,7 +105,7 @@ def worker(rank: int, world: int, mode: str, width: int, layers: int, pp: int, d
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     states = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0)
-    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - base
+    peak = torch.cuda.max_memory_allocated() if cuda else proc_status("VmHWM") - base
     return {"peak": peak, "own": own + grads + states, "params": own}
 
 

@@ -216,6 +216,28 @@ def section(title: str) -> None:
     print("=" * len(title))
 
 
+def proc_status(field: str) -> int:
+    """A byte count from ``/proc/self/status`` (``VmRSS``, ``VmHWM``; Linux only)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def start_memory_measurement() -> int:
+    """Fix glibc's mmap threshold and reset the peak RSS; return the current RSS (the base).
+
+    glibc otherwise raises the threshold after the first large free, and freed tensors then stay
+    in the heap (resident), which measures the allocator rather than the model."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    return proc_status("VmRSS")
+
+
 def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, load average {load:.2f} at start"

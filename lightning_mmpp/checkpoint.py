@@ -393,7 +393,8 @@ def _meta(
         "world_size": len(gathered),
         "placements": {
             m: {"pp": p.pp, "dp": p.dp, "rank_offset": layout.offsets[m],
-                "split_points": list(p.split_points) if p.split_points is not None else None}
+                "split_points": list(p.split_points) if p.split_points is not None else None,
+                "shard": p.shard, "recompute": p.recompute}
             for m, p in layout.placements.items()
         },
         "topology": {m: list(layout.topology.downstream(m)) for m in layout.modules},

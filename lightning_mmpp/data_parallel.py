@@ -1,20 +1,34 @@
-"""Gradients after a pipeline step: data-parallel synchronisation and global-norm clipping.
+"""Gradients of a pipeline step: data-parallel reduction, overlapped with the drain, and global-norm clipping.
 
-:class:`StageGradients` holds the parameters of the stages one rank owns, grouped by the dp
-group that reduces them. After the pipeline step, :meth:`StageGradients.synchronize` sums each
-group's gradients over its replicas (each step's loss is pre-scaled so that the sum is the
-exact gradient of the global mean loss, see :mod:`lightning_mmpp.runtime`).
-:meth:`StageGradients.clip_norm_` then clips by the norm of the *whole model's* gradient, over
-every module and rank: each rank measures its own stages with
-``torch.nn.utils.get_total_norm`` (dp replicas hold identical gradients after the sync, so
-only replica 0 counts them), one all-reduce sums the squares over the world, and
-``torch.nn.utils.clip_grads_with_norm_`` scales the local gradients.
+:class:`StageGradients` holds the parameters of the stages one rank owns. Each unsharded stage
+with ``dp > 1`` sums its gradients over its replicas (each step's loss is pre-scaled so that the
+sum is the exact gradient of the global mean loss, see :mod:`lightning_mmpp.runtime`) with one
+asynchronous all-reduce per dtype, *started as soon as the stage's last backward of the step
+has run* (:meth:`StageGradients.start`, called by the runtime), so the reduction of an early
+stage overlaps the backwards still draining on later ranks; :meth:`StageGradients.synchronize`
+waits for them before the optimizer. Sharded stages (``shard=True``) are reduced by FSDP2
+itself (reduce-scatter in their last backward, :mod:`lightning_mmpp.sharding`).
+
+Why the unsharded reduction is hand-written: DDP's reducer (and composable ``replicate``, built
+on it) pairs every backward with the forward before it and launches bucket all-reduces from
+autograd hooks during each backward; a pipeline stage runs m forwards and m backwards per step
+in an order the schedule decides (1F1B keeps several forwards in flight), so the reducer would
+need ``no_sync`` bookkeeping around each of them and still could not know which backward is the
+last of the step. The schedule knows, so the runtime starts one flat all-reduce per stage at
+exactly that point. FSDP2 without resharding would do the same reduction as a reduce-scatter
+plus an all-gather of the parameters every step: twice the traffic for replicated parameters.
+
+:meth:`StageGradients.clip_norm_` clips by the norm of the *whole model's* gradient, over
+every module and rank: each rank measures what it counts (its replica-0 stages, whose
+replicas hold identical gradients after the sum, and the local shards of every sharded stage),
+one all-reduce sums the squares over the world, and every local gradient is scaled.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,58 +37,76 @@ from torch import Tensor, nn
 
 from lightning_mmpp.partition import StageRunner
 from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.sharding import ShardedStage, local_tensor
 
-__all__ = ["StageGradients", "sum_gradients"]
+__all__ = ["StageGradients"]
 
 
-def sum_gradients(params_by_group: Mapping[tuple[int, ...], Sequence[nn.Parameter]], groups: Mapping) -> int:
-    """All-reduce (sum) the gradients of each group's parameters; return the number of all-reduces.
+@dataclass
+class _Reduction:
+    """The asynchronous sum of one stage's gradients over its dp group."""
 
-    One flat buffer per group and dtype. Parameters whose ``grad`` is None are skipped;
-    replicas run the same code, so they agree on which those are.
-    """
-    calls = 0
-    for ranks, params in params_by_group.items():
-        if len(ranks) < 2:
-            continue
+    group: Any
+    params: list[nn.Parameter]
+    pending: list[tuple[Any, Tensor, list[Tensor]]] = field(default_factory=list)  # (work, flat, grads)
+    started: bool = False
+
+    def start(self) -> None:
+        """Launch one all-reduce per gradient dtype (parameters without a gradient are skipped;
+        replicas run the same code, so they agree on which those are)."""
         by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-        for p in params:
+        for p in self.params:
             if p.grad is not None:
                 by_dtype[p.grad.dtype].append(p.grad)
         for dtype in sorted(by_dtype, key=str):
             grads = by_dtype[dtype]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups[ranks])
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self.pending.append((work, flat, grads))
+        self.started = True
+
+    def finish(self) -> int:
+        """Wait for the sums and write them back; return the number of all-reduces."""
+        if not self.started:
+            self.start()
+        calls = len(self.pending)
+        for work, flat, grads in self.pending:
+            work.wait()
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-            calls += 1
-    return calls
+        self.pending, self.started = [], False
+        return calls
 
 
 class StageGradients:
     """The gradients of the stages one rank owns (see the module docstring).
 
     Args:
-        params_by_group: ``{dp group ranks: parameters}``; colocated modules with the same dp
-            group share one entry (one reduction).
-        counted: the parameters whose gradients enter the global norm on this rank (those of
-            the modules this rank holds as dp replica 0).
-        groups: ``{dp group ranks: process group}``.
+        reductions: ``{module: (dp process group, parameters)}`` for this rank's unsharded
+            stages with ``dp > 1``.
+        counted: the parameters whose gradients enter the global norm on this rank.
+        parameters: every parameter of this rank's stages (what clipping scales).
         world_size: ranks in the default group (1: no communication).
+        sharded: this rank's sharded stages (FSDP2 reduces them), by module.
+
+    It is the runtime's :class:`~lightning_mmpp.runtime.GradientSync`: told before every
+    backward whether it is a stage's last of the step, and after that last one.
     """
 
     def __init__(
         self,
-        params_by_group: Mapping[tuple[int, ...], Sequence[nn.Parameter]],
+        reductions: Mapping[str, tuple[Any, Sequence[nn.Parameter]]],
         counted: Iterable[nn.Parameter],
-        groups: Mapping[tuple[int, ...], Any],
+        parameters: Iterable[nn.Parameter],
         world_size: int,
+        sharded: Mapping[str, ShardedStage] = {},
     ) -> None:
-        self.params_by_group = {ranks: list(params) for ranks, params in params_by_group.items()}
+        self.sharded = dict(sharded)
+        self.reductions = {module: _Reduction(group, list(params)) for module, (group, params) in reductions.items()}
         self.counted = list(counted)
-        self.groups = groups
+        self.parameters = list(parameters)
         self.world_size = world_size
 
     @classmethod
@@ -86,31 +118,49 @@ class StageGradients:
         groups: Mapping,
         world_size: int,
         counted_elsewhere: Iterable[nn.Parameter] = (),
+        sharded: Mapping[str, ShardedStage] = {},
     ) -> "StageGradients":
-        """The stages ``rank`` holds, grouped by dp group; its replica-0 stages count in the norm,
-        except ``counted_elsewhere`` (a tied parameter counts once, on one of its owners)."""
-        by_group: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        """This rank's stages. Replica-0 stages count in the norm, every replica of a sharded
+        stage counts its own shards, except ``counted_elsewhere`` (a tied parameter counts once,
+        on one of its owners)."""
+        reductions: dict[str, tuple[Any, list[nn.Parameter]]] = {}
         counted: list[nn.Parameter] = []
+        everything: list[nn.Parameter] = []
         for module, runner in runners.items():
-            by_group.setdefault(layout.dp_group(module, runner.stage), []).extend(runner.parameters())
+            params = runner.parameters()
+            everything.extend(params)
+            placement = layout.placements[module]
+            trainable = [p for p in params if p.requires_grad]
+            if placement.dp > 1 and not placement.shard and trainable:
+                reductions[module] = (groups[layout.dp_group(module, runner.stage)], trainable)
             slot = layout.slot(rank, module)
-            if slot is not None and slot.replica == 0:
-                counted.extend(runner.parameters())
+            if placement.shard or (slot is not None and slot.replica == 0):
+                counted.extend(params)
         skip = {id(p) for p in counted_elsewhere}
         counted = [p for p in dict.fromkeys(counted) if id(p) not in skip]
-        return cls(by_group, counted, groups, world_size)
+        return cls(reductions, counted, dict.fromkeys(everything), world_size, sharded)
 
-    @property
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for params in self.params_by_group.values() for p in params]
+    def before_backward(self, module: str, last: bool) -> None:
+        stage = self.sharded.get(module)
+        if stage is not None:
+            stage.before_backward(last)
+
+    def after_last_backward(self, module: str) -> None:
+        self.start(module)
+
+    def start(self, module: str) -> None:
+        """The last backward of ``module``'s stage in this step has run: start summing its gradients."""
+        reduction = self.reductions.get(module)
+        if reduction is not None and not reduction.started:
+            reduction.start()
 
     def synchronize(self) -> int:
-        """Sum each dp group's gradients over its replicas; return the number of all-reduces."""
-        return sum_gradients(self.params_by_group, self.groups)
+        """Finish (start where the runtime did not) every stage's sum; return the number of all-reduces."""
+        return sum(reduction.finish() for reduction in self.reductions.values())
 
     def total_norm(self, device: torch.device) -> Tensor:
         """The 2-norm of the whole model's gradient, on every rank (one all-reduce)."""
-        grads = [p.grad for p in self.counted if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.counted if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
         squares = local.to(device=device, dtype=torch.float32).square()
         if self.world_size > 1:
@@ -118,9 +168,15 @@ class StageGradients:
         return squares.sqrt()
 
     def clip_norm_(self, max_norm: float, device: torch.device) -> Tensor:
-        """Scale every local gradient so the global norm is at most ``max_norm``; return the norm."""
+        """Scale every local gradient so the global norm is at most ``max_norm``; return the norm.
+
+        The same coefficient as ``torch.nn.utils.clip_grads_with_norm_``, applied to the local
+        tensors (a sharded gradient's shard is scaled in place).
+        """
         total = self.total_norm(device)
-        params = [p for p in self.parameters if p.grad is not None]
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        grads = [local_tensor(p.grad) for p in self.parameters if p.grad is not None]
+        if grads:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coefficient.to(g.device))
         return total

@@ -78,6 +78,8 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def _model_is_built(self, lm: Any) -> bool:
         modules = self._strategy.layout.modules  # type: ignore[attr-defined]
+        if any(p.shard for p in self._strategy.layout.placements.values()):  # type: ignore[attr-defined]
+            return False  # sharded stages are DTensors over dp groups gone after fit: use a checkpoint
         return all(isinstance(getattr(lm, m, None), torch.nn.Module) for m in modules) and not has_meta_tensors(lm)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
@@ -95,6 +97,7 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
                 for part in parts:
                     for name, value in part.items():
                         whole.setdefault(name, value)  # dp replicas hold identical copies
+        self._close_process_group()
         if self._strategy.local_rank != 0:
             return None
         checkpoint_callback = trainer.checkpoint_callback
@@ -109,6 +112,16 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
         extra = self.get_extra_results(trainer)
         extra["fitted"] = fitted
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+    @staticmethod
+    def _close_process_group() -> None:
+        """Close the default process group before the worker exits. A gloo group left for the
+        interpreter's exit is destroyed while its peers may still be closing their pairs, which
+        now and then aborts a worker ("terminate called without an active exception")."""
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
 
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)

@@ -41,6 +41,10 @@ class ModulePlacement:
             parameter count.
         batch_dim: the batch dimension of this module's output tensors, used when a bridge
             concatenates (fan-in) or splits (fan-out) them.
+        shard: shard each stage's parameters, gradients and optimizer state over its ``dp``
+            replicas with FSDP2 (:mod:`lightning_mmpp.sharding`); needs ``dp >= 2``.
+        recompute: run each layer under activation checkpointing, so an in-flight microbatch
+            keeps only its layer inputs; the layers run their forward again in the backward.
     """
 
     pp: int = 1
@@ -48,8 +52,18 @@ class ModulePlacement:
     rank_offset: Optional[int] = None
     split_points: Optional[tuple[int, ...]] = None
     batch_dim: int = 0
+    shard: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("shard", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineConfigError(f"ModulePlacement({name}={getattr(self, name)!r}): {name} must be True or False.")
+        if self.shard and self.dp < 2:
+            raise PipelineConfigError(
+                f"ModulePlacement(pp={self.pp}, dp={self.dp}, shard=True): with dp=1 there is nothing to shard over; "
+                "give the module dp >= 2 or drop shard=True (recompute=True cuts activation memory on one replica)."
+            )
         for name in ("pp", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -59,6 +59,26 @@ class PipelineHooks(Protocol):
     def pipeline_loss(self, *args: Any) -> Tensor | dict[str, Tensor]: ...
 
 
+class GradientSync(Protocol):
+    """Told around the backwards that produce parameter gradients (fused ``B`` and ``W``).
+
+    ``last`` says whether it is the stage's last such backward of the step: a sharded stage
+    reduce-scatters only then, an unsharded dp stage starts its all-reduce right after it.
+    """
+
+    def before_backward(self, module: str, last: bool) -> None: ...
+
+    def after_last_backward(self, module: str) -> None: ...
+
+
+class _NoGradientSync:
+    def before_backward(self, module: str, last: bool) -> None:
+        pass
+
+    def after_last_backward(self, module: str) -> None:
+        pass
+
+
 class Communicator(Protocol):
     def exchange(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> dict[MessageKey, Any]: ...
 
@@ -285,7 +305,9 @@ class PipelineRuntime:
         tracer: Tracer | None = None,
         no_backward_modules: frozenset[str] = frozenset(),
         failures: FailureBoard | None = None,
+        gradient_sync: GradientSync | None = None,
     ) -> None:
+        self.gradient_sync = gradient_sync if gradient_sync is not None else _NoGradientSync()
         self.no_backward_modules = frozenset(no_backward_modules)
         self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
         self.tracer = tracer if tracer is not None else NULL_TRACER
@@ -320,10 +342,21 @@ class PipelineRuntime:
         step = _StepState(
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
         )
-        for action in actions:
+        # the action after which a stage's parameter gradients are complete for this step
+        last_gradient = {
+            a.module: index for index, a in enumerate(actions)
+            if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
+        }
+        for index, action in enumerate(actions):
             try:
                 if isinstance(action, Exchange):
                     self._exchange(step, action)
+                elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
+                    last = last_gradient[action.module] == index
+                    self.gradient_sync.before_backward(action.module, last)
+                    self._compute(step, action)
+                    if last:
+                        self.gradient_sync.after_last_backward(action.module)
                 else:
                     self._compute(step, action)
             except PipelineError:

@@ -42,6 +42,7 @@ from lightning_mmpp import checkpoint as _checkpoint
 from lightning_mmpp.comm import MultiModuleCommunicator
 from lightning_mmpp.construction import ConstructionPlan, build_own_stages, plan_construction
 from lightning_mmpp.data_parallel import StageGradients
+from lightning_mmpp.sharding import apply_memory_options, check_memory_options
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.initialization import has_meta_tensors
 from lightning_mmpp.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
@@ -142,6 +143,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._placements = placements
         # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
         self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
+        if self._layout is not None:
+            check_memory_options(self._layout.placements, schedule)
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.stage_numbering = stage_numbering
@@ -158,6 +161,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._batches: Optional[BatchSplitter] = None
         self._in_pipeline_step = False
         self._gradients: Optional[StageGradients] = None
+        self._sharded: dict[str, Any] = {}  # this rank's FSDP2-sharded stages, by module
         self._metrics: Optional[MetricReducer] = None
         self._predictions: Optional[SinkOutputGatherer] = None
         self._placeholder_steps: list[tuple[Any, str]] = []  # (model, method name) bound by ``connect``
@@ -208,6 +212,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
         if self._layout is None:
             self._layout = PipelineLayout(self._placements, ours)
+            check_memory_options(self._layout.placements, self.schedule_name)
             return
         theirs = self._layout.topology
         if _edges(ours) != _edges(theirs):
@@ -327,6 +332,10 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             self._filter_optimizers()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._sharded = apply_memory_options(
+            self.layout, self._partition.runners, self._partition.tied, self._dp_groups, self.root_device,
+            str(getattr(self.precision_plugin, "precision", "32-true")), self.optimizers if fitting else (),
+        )
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -346,7 +355,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
                              if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)]
         self._gradients = StageGradients.for_rank(
             self.layout, self.global_rank, self._partition.runners, self._dp_groups, self.world_size,
-            counted_elsewhere=counted_elsewhere,
+            counted_elsewhere=counted_elsewhere, sharded=self._sharded,
         )
         self._batches = BatchSplitter(self.layout, self.global_rank, self.num_microbatches)  # type: ignore[arg-type]
         if self.world_size > 1 and not self._tie_groups:
@@ -359,7 +368,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         self._install_preemption(trainer)
         self._runtime = PipelineRuntime(
             self.layout, self.global_rank, self._comm, self._partition.runners, lm, tracer=self._tracer,
-            no_backward_modules=self._no_grad_modules, failures=self._failures,
+            no_backward_modules=self._no_grad_modules, failures=self._failures, gradient_sync=self._gradients,
         )
 
     def _install_preemption(self, trainer: Any) -> None:

@@ -1,0 +1,335 @@
+"""Per-module sharding and recompute: memory per rank, and data-parallel gradient sync overlapped with the drain.
+
+    python benchmarks/bench_sharding.py memory          # pp=2, dp=4, Adam: plain / shard / shard+recompute
+    python benchmarks/bench_sharding.py sync            # sleep stages: dp=1 vs dp=2 overlapped vs post-step
+
+``memory``: a LightningModule holds one pipelined module ``net`` of ``--layers`` MLP blocks
+(``x + Linear(4w, w)(gelu(Linear(w, 4w)(x)))``, width ``--width``) placed ``pp=2, dp=4`` (8
+forked gloo ranks), Adam (``foreach=False``), two training steps under the real strategy. Per rank:
+
+* the bytes of its parameters + gradients + Adam state as held (local shards when sharded),
+  next to the theoretical ``16 B x stage parameters (/ dp when sharded)``;
+* peak resident memory minus the worker's base (``VmHWM`` reset through
+  ``/proc/self/clear_refs``; GPU: ``torch.cuda.max_memory_allocated``); sharded stages also
+  hold, for a moment, one block's gathered parameters and unsharded gradients;
+* the peak bytes autograd keeps saved for backward (activations, parameters excluded),
+  counted through ``torch.autograd.graph.saved_tensors_hooks`` around ``fit``. Theory per
+  block and row: ``9 w`` floats without recompute (the block input, the first linear's output,
+  gelu's output), ``w`` with it (the block input), plus, during a backward, one block's
+  recomputed intermediates.
+
+``sync``: sleep stages (forward ``--tf``, backward ``--tb`` seconds) on a ``--pp``-stage chain,
+each stage with a ``--grad-mib`` MiB gradient (a parameter whose gradient costs nothing to
+compute). Three ways, timed in one launch of ``2 x pp`` processes, rounds interleaved:
+``dp=1`` (ranks 0..pp-1, no reduction), ``dp=2 overlapped`` (each stage's all-reduce starts as
+soon as its last backward of the step has run, :class:`~lightning_mmpp.data_parallel.StageGradients`
+as the runtime's gradient sync, waited for at the end), ``dp=2 post-step`` (the old way: every
+all-reduce starts after the whole schedule). Step time: max over ranks of schedule + reduction
+wait; ``exposed`` is the longest wait for the reduction after the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    Sleep, SleepHooks, gather_max, interleaved, machine, median, proc_status, section, start_memory_measurement, table,
+)  # noqa: E402
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy  # noqa: E402
+from lightning_mmpp.comm import MultiModuleCommunicator  # noqa: E402
+from lightning_mmpp.data_parallel import StageGradients  # noqa: E402
+from lightning_mmpp.partition import StageRunner  # noqa: E402
+from lightning_mmpp.placement import PipelineLayout  # noqa: E402
+from lightning_mmpp.runtime import PipelineRuntime  # noqa: E402
+from lightning_mmpp.schedule import build_schedule  # noqa: E402
+from tests.dist import run_distributed  # noqa: E402
+
+MIB = 1024 * 1024
+MEMORY_MODES = {"plain": (False, False), "shard": (True, False), "shard+recompute": (True, True)}
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Net(L.LightningModule):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*(Block(width) for _ in range(layers)))
+
+    def pipeline_inputs(self, module, batch, upstream):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return output.square().mean()
+
+    def configure_optimizers(self):
+        # foreach=False: the multi-tensor path allocates temporaries the size of all parameters
+        return torch.optim.Adam(self.parameters(), lr=1e-4, foreach=False)
+
+
+class SavedActivations:
+    """Live bytes autograd holds for backward (parameters excluded), and their peak.
+
+    Tensors are counted once per storage however many ops save them, and leave the count when
+    the last graph node holding them is freed."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, holders]
+        self.bytes = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or t.device.type == "meta":
+            return t
+        return _Held(self, t)
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def add(self, key: int, size: int) -> None:
+        entry = self.live.setdefault(key, [size, 0])
+        if entry[1] == 0:
+            self.bytes += size
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+
+    def remove(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[key]
+
+
+class _Held:
+    def __init__(self, owner: SavedActivations, tensor: torch.Tensor) -> None:
+        self.owner, self.tensor = owner, tensor
+        self.key = tensor.untyped_storage().data_ptr()
+        owner.add(self.key, tensor.untyped_storage().nbytes())
+
+    def __del__(self) -> None:
+        self.owner.remove(self.key)
+
+
+
+def memory_worker(rank: int, world: int, mode: str, width: int, layers: int, pp: int, dp: int, m: int,
+                  rows: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    cuda = torch.cuda.is_available()
+    torch.manual_seed(0)
+    model = Net(width, layers)
+    base = start_memory_measurement()  # the whole-model build is not counted
+    shard, recompute = MEMORY_MODES[mode]
+    placement = ModulePlacement(pp=pp, dp=dp, shard=shard, recompute=recompute)
+    strategy = MultiModulePipelineStrategy({"net": placement}, {"net": []}, num_microbatches=m)
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=world, strategy=strategy, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = TensorDataset(torch.randn(2 * m * dp * rows, width))
+    saved = SavedActivations()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        trainer.fit(model, DataLoader(data, batch_size=m * dp * rows))
+    optimizer = trainer.optimizers[0]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    held = sum(nbytes(p) for p in params)
+    grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    states = sum(nbytes(t) for s in optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    stage_params = sum(p.numel() for p in params)  # a DTensor's numel is the whole parameter's
+    peak = torch.cuda.max_memory_allocated() if cuda else proc_status("VmHWM") - base
+    return {"peak": peak, "own": held + grads + states, "stage_params": stage_params, "saved": saved.peak,
+            "stage": strategy.layout.slot(rank, "net").stage}
+
+
+def run_memory(args: argparse.Namespace) -> None:
+    world = args.pp * args.dp
+    block = 2 * 4 * args.width * args.width + 5 * args.width
+    print(f"$ python benchmarks/bench_sharding.py memory --width {args.width} --layers {args.layers} --pp {args.pp} "
+          f"--dp {args.dp} --m {args.m} --rows {args.rows}")
+    print(f"({args.layers} blocks of {block * 4 / MIB:.1f} MiB fp32 parameters, {world} ranks, microbatch "
+          f"{args.rows} rows per replica; {machine()})")
+    rows, summary = [], {}
+    for mode in args.modes:
+        per_rank = run_distributed(memory_worker, world, mode, args.width, args.layers, args.pp, args.dp, args.m,
+                                   args.rows, timeout=900, init_pg=False)
+        shard = MEMORY_MODES[mode][0]
+        for rank, r in enumerate(per_rank):
+            theory = 16 * r["stage_params"] / (args.dp if shard else 1)
+            rows.append((mode, rank, r["stage"], f"{theory / MIB:.1f}", f"{r['own'] / MIB:.1f}",
+                         f"{r['own'] / theory:.3f}", f"{r['peak'] / MIB:.0f}", f"{r['saved'] / MIB:.1f}"))
+        summary[mode] = per_rank
+    section("per rank: parameters + gradients + Adam state (as held), peak RSS - base, peak saved activations")
+    print(table(["mode", "rank", "stage", "theory MiB", "held MiB", "held/theory", "peak-base MiB",
+                 "saved act. MiB"], rows))
+    if {"plain", "shard"} <= summary.keys():
+        section("ratios, same run (per stage, max over its replicas)")
+        out = []
+        for stage in range(args.pp):
+            def worst(mode: str, key: str) -> float:
+                return max(r[key] for r in summary[mode] if r["stage"] == stage)
+            line = [stage, f"{worst('shard', 'own') / (worst('plain', 'own') / args.dp):.3f}",
+                    f"{worst('shard', 'peak') / worst('plain', 'peak'):.2f}"]
+            if "shard+recompute" in summary:
+                line.append(f"{worst('shard', 'saved') / worst('shard+recompute', 'saved'):.2f}")
+                line.append(f"{worst('shard+recompute', 'peak') / worst('plain', 'peak'):.2f}")
+            out.append(line)
+        headers = ["stage", "sharded held / (plain held / dp)", "peak shard / plain"]
+        if "shard+recompute" in summary:
+            headers += ["saved act. shard / shard+recompute", "peak shard+recompute / plain"]
+        print(table(headers, out))
+
+
+# --- gradient sync -----------------------------------------------------------------------------------
+
+
+class BallastSleepStage(nn.Module):
+    """A sleep stage with a ``numel``-element parameter whose gradient (zeros) costs one fill."""
+
+    def __init__(self, tf: float, tb: float, numel: int) -> None:
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.scale = nn.Parameter(torch.ones(()))
+        self.ballast = nn.Parameter(torch.zeros(numel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Sleep.apply(x * self.scale, self.tf, self.tb) + self.ballast[:1] * 0.0
+
+
+class SyncPipeline:
+    """This rank's stages of a sleep-stage chain, with its gradient reduction done one of three ways."""
+
+    def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float, numel: int,
+                 way: str, groups: dict) -> None:
+        self.layout, self.rank, self.way = layout, rank, way
+        self.active = rank < layout.world_size
+        if not self.active:
+            return
+        self.runners = {slot.module: StageRunner(slot.module, slot.stage, [BallastSleepStage(tf, tb, numel)], ["0"])
+                        for slot in layout.slots(rank)}
+        self.gradients = StageGradients.for_rank(layout, rank, self.runners, groups, layout.world_size)
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        self.comm = comm
+        sync = self.gradients if way == "overlapped" else None
+        self.runtime = PipelineRuntime(layout, rank, comm, self.runners, SleepHooks(), gradient_sync=sync)
+        self.schedule = build_schedule(layout, m, "1f1b")
+        g = torch.Generator().manual_seed(0)
+        self.data = [torch.randn(8 * layout.placements["a"].dp, 256, generator=g) for _ in range(m)]
+        self.exposed: list[float] = []
+
+    def _shard(self, module: str, k: int) -> torch.Tensor:
+        slot = self.layout.slot(self.rank, module)
+        return self.data[k][self.layout.batch_shard(module, slot.replica, self.data[k].shape[0])]
+
+    def step(self) -> float:
+        dist.barrier()
+        if not self.active:
+            return 0.0
+        for runner in self.runners.values():
+            for p in runner.parameters():
+                p.grad = None
+        start = time.perf_counter()
+        self.runtime.run(self.schedule, self._shard)
+        self.comm.wait_sends()
+        drained = time.perf_counter()
+        self.gradients.synchronize()  # post-step: starts and waits; overlapped: waits
+        end = time.perf_counter()
+        self.exposed.append(end - drained)
+        return end - start
+
+
+def sync_worker(rank: int, world: int, pp: int, m: int, tf: float, tb: float, numel: int, rounds: int,
+                steps: int) -> dict:
+    dp1 = PipelineLayout({"a": ModulePlacement(pp=pp)}, {"a": []})
+    dp2 = PipelineLayout({"a": ModulePlacement(pp=pp, dp=2)}, {"a": []})
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in dp2.dp_groups()}
+    pipes = {
+        "dp=1": SyncPipeline(dp1, rank, m, tf, tb, numel, "none", {}),
+        "dp=2 overlapped": SyncPipeline(dp2, rank, m, tf, tb, numel, "overlapped", groups),
+        "dp=2 post-step": SyncPipeline(dp2, rank, m, tf, tb, numel, "post-step", groups),
+    }
+    times = interleaved({name: pipe.step for name, pipe in pipes.items()}, rounds, steps)
+    exposed = {name: gather_max([median(pipe.exposed) if pipe.active else 0.0])[0] for name, pipe in pipes.items()}
+    # what one stage's reduction costs when nothing overlaps it
+    flat = torch.zeros(numel + 1)
+    group = groups[dp2.dp_group("a", dp2.slot(rank, "a").stage)]
+    alone = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=group)
+        alone.append(time.perf_counter() - start)
+    return {"times": times, "exposed": exposed, "alone": gather_max([median(alone)])[0]}
+
+
+def run_sync(args: argparse.Namespace) -> None:
+    numel = int(args.grad_mib * MIB / 4)
+    print(f"$ python benchmarks/bench_sharding.py sync --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
+          f"--grad-mib {args.grad_mib} --rounds {args.rounds} --steps {args.steps}")
+    print(f"({machine()})")
+    out = run_distributed(sync_worker, 2 * args.pp, args.pp, args.m, args.tf, args.tb, numel, args.rounds,
+                          args.steps, timeout=900, init_pg=True)[0]
+    base = median(out["times"]["dp=1"])
+    rows = [(name, f"{median(t) * 1000:.1f}", f"{median(t) / base:.3f}", f"{out['exposed'][name] * 1000:.1f}")
+            for name, t in out["times"].items()]
+    section(f"1F1B step, {args.pp}-stage chain, m={args.m}, {args.grad_mib} MiB gradient per stage "
+            f"(one all-reduce alone: {out['alone'] * 1000:.1f} ms)")
+    print(table(["gradient sync", "step ms (median)", "/ dp=1", "exposed reduction ms (median, worst rank)"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    mem = sub.add_parser("memory")
+    mem.add_argument("--width", type=int, default=512)
+    mem.add_argument("--layers", type=int, default=8)
+    mem.add_argument("--pp", type=int, default=2)
+    mem.add_argument("--dp", type=int, default=4)
+    mem.add_argument("--m", type=int, default=4)
+    mem.add_argument("--rows", type=int, default=128, help="rows per microbatch and replica")
+    mem.add_argument("--modes", nargs="+", default=list(MEMORY_MODES), choices=list(MEMORY_MODES))
+    sync = sub.add_parser("sync")
+    sync.add_argument("--pp", type=int, default=4)
+    sync.add_argument("--m", type=int, default=8)
+    sync.add_argument("--tf", type=float, default=0.02)
+    sync.add_argument("--tb", type=float, default=0.04)
+    sync.add_argument("--grad-mib", type=float, default=16.0)
+    sync.add_argument("--rounds", type=int, default=3)
+    sync.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    run_memory(args) if args.what == "memory" else run_sync(args)
+
+
+if __name__ == "__main__":
+    main()

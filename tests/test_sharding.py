@@ -1,0 +1,199 @@
+"""``ModulePlacement(shard=..., recompute=...)``: user errors, recompute's exactness and memory,
+and sharded checkpoints (save, exact resume, resume sharded <-> unsharded, export, bf16-mixed).
+
+The equivalence of sharded/recomputed training with one process is in test_equivalence.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PipelineConfigError
+from lightning_mmpp.checkpoint import export_checkpoint
+from lightning_mmpp.sharding import enable_recompute
+from tests.dist import run_distributed
+from tests.models import MultiModalModel, make_loader
+
+P = ModulePlacement
+TOPOLOGY = {"enc_a": ["llm"], "llm": []}
+
+
+# --- user errors, raised at construction ------------------------------------------------------------
+
+
+def test_shard_needs_replicas_and_booleans():
+    with pytest.raises(PipelineConfigError, match="nothing to shard over; give the module dp >= 2"):
+        P(shard=True)
+    with pytest.raises(PipelineConfigError, match="must be True or False"):
+        P(dp=2, shard=1)
+    with pytest.raises(PipelineConfigError, match="must be True or False"):
+        P(recompute="yes")
+    assert P(dp=2, shard=True, recompute=True).shard
+
+
+def test_shard_refuses_zero_bubble_before_any_process_starts():
+    placements = {"enc_a": P(dp=2, shard=True), "llm": P()}
+    with pytest.raises(PipelineConfigError, match="schedule='1f1b' with shard=True"):
+        MultiModulePipelineStrategy(placements, TOPOLOGY, 2, schedule="zero_bubble")
+    MultiModulePipelineStrategy({"enc_a": P(recompute=True), "llm": P()}, TOPOLOGY, 2, schedule="zero_bubble")
+
+
+# --- recompute: same gradients, fewer saved activations ----------------------------------------------
+
+
+class _Layer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.drop = nn.Dropout(0.3)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.nn.functional.gelu(self.up(x))))
+
+
+def _saved_bytes_and_grads(recompute: bool, dim: int = 32, layers: int = 4) -> tuple[int, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Layer(dim) for _ in range(layers)))
+    if recompute:
+        for layer in model:
+            enable_recompute(layer)
+    x = torch.randn(16, dim, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[id(t)] = t.numel() * t.element_size()
+        return t
+
+    torch.manual_seed(1)  # the dropout masks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads["input"] = x.grad.clone()
+    return sum(saved.values()), grads
+
+
+def test_recompute_gives_bitwise_equal_gradients_with_dropout_and_keeps_only_layer_inputs():
+    plain_bytes, plain = _saved_bytes_and_grads(False)
+    ckpt_bytes, recomputed = _saved_bytes_and_grads(True)
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], recomputed[name]), name
+    # per layer its input (16 x 32 floats) instead of every intermediate (several 16 x 128), and
+    # the output the loss squares
+    layer_input = 16 * 32 * 4
+    assert ckpt_bytes == (4 + 1) * layer_input, (ckpt_bytes, plain_bytes)
+    assert plain_bytes > 5 * ckpt_bytes
+
+
+def test_recompute_is_idempotent_and_keeps_names():
+    layer = _Layer(8)
+    names = [n for n, _ in layer.named_parameters()]
+    enable_recompute(layer)
+    enable_recompute(layer)
+    assert [n for n, _ in layer.named_parameters()] == names
+    with torch.no_grad():  # no checkpoint outside autograd
+        assert layer(torch.zeros(2, 8)).shape == (2, 8)
+
+
+# --- sharded checkpoints ------------------------------------------------------------------------------
+
+SHARDED = {"enc_a": P(dp=2, shard=True), "llm": P(pp=2)}  # ranks 0-1: sharded enc replicas
+UNSHARDED = {"enc_a": P(dp=2), "llm": P(pp=2)}  # the same ranks, plain replicas
+BATCH = 8
+EPOCH = 3
+
+
+class _Whole(L.Callback):
+    """Every parameter's whole value when training starts (just restored) and ends, before
+    teardown releases the dp groups (a sharded parameter is gathered over its group)."""
+
+    @staticmethod
+    def _gather(module: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters()}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = self._gather(pl_module)
+        from torch.distributed.tensor import DTensor
+
+        self.sharded = sorted({n.split(".")[0] for n, p in pl_module.named_parameters() if isinstance(p, DTensor)})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.end = self._gather(pl_module)
+        self.loss = float(trainer.callback_metrics["train_loss"])
+
+
+def _model() -> MultiModalModel:
+    return MultiModalModel(TOPOLOGY, optimizer="adam", scheduler="step")
+
+
+def _fit(layout, epochs: int, ckpt_path=None, saver=None, precision="32-true") -> _Whole:
+    strategy = MultiModulePipelineStrategy(layout, TOPOLOGY, num_microbatches=2)
+    whole = _Whole()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=strategy.layout.world_size, strategy=strategy, max_epochs=epochs, logger=False,
+        callbacks=[whole] + ([saver] if saver else []), enable_checkpointing=saver is not None,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, precision=precision,
+    )
+    trainer.fit(_model(), make_loader(TOPOLOGY, BATCH, BATCH * EPOCH), ckpt_path=ckpt_path)
+    return whole
+
+
+def _sharded_checkpoints(rank, world, root: str) -> dict:
+    out: dict = {}
+    out["straight"] = _fit(SHARDED, 2).end  # 6 steps without a break
+    saver = ModelCheckpoint(dirpath=f"{root}/sharded", filename="s")
+    first = _fit(SHARDED, 1, saver=saver)
+    out["ckpt"], out["at3"], out["sharded_modules"] = saver.best_model_path, first.end, first.sharded
+    again = _fit(SHARDED, 2, ckpt_path=saver.best_model_path)  # sharded -> sharded: exact
+    out["exact_start"], out["exact_end"] = again.start, again.end
+    out["to_unsharded"] = _fit(UNSHARDED, 2, ckpt_path=saver.best_model_path).end
+    plain = ModelCheckpoint(dirpath=f"{root}/unsharded", filename="u")
+    _fit(UNSHARDED, 1, saver=plain)
+    out["from_unsharded"] = _fit(SHARDED, 2, ckpt_path=plain.best_model_path).end
+    out["unsharded_straight"] = _fit(UNSHARDED, 2).end
+    bf16 = _fit(SHARDED, 1, precision="bf16-mixed")
+    out["bf16_loss"], out["bf16_dtypes"] = bf16.loss, {p.dtype for p in bf16.end.values()}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path: Path):
+    per_rank = run_distributed(_sharded_checkpoints, 4, str(tmp_path), timeout=240, init_pg=False)
+    enc_rank = per_rank[0]
+    assert enc_rank["sharded_modules"] == ["enc_a"]
+    close = dict(rtol=1e-5, atol=1e-6)
+    for rank, out in enumerate(per_rank):
+        for name, value in out["exact_end"].items():  # same layout: bitwise the uninterrupted run
+            assert torch.equal(value, out["straight"][name]), (rank, name)
+        for name, value in out["exact_start"].items():
+            assert torch.equal(value, out["at3"][name]), (rank, name)
+        for name, value in out["to_unsharded"].items():  # the reduction order differs: close
+            torch.testing.assert_close(value, out["straight"][name], **close, msg=f"rank {rank} {name}")
+        for name, value in out["from_unsharded"].items():
+            torch.testing.assert_close(value, out["unsharded_straight"][name], **close, msg=f"rank {rank} {name}")
+        assert out["bf16_dtypes"] == {torch.float32}, out["bf16_dtypes"]  # fp32 shards for the optimizer
+        assert torch.isfinite(torch.tensor(out["bf16_loss"]))
+
+    # one file for one process: whole tensors, loadable without the strategy
+    exported = export_checkpoint(enc_rank["ckpt"], tmp_path / "one.ckpt")
+    state = torch.load(exported, weights_only=True)
+    at3 = {**per_rank[0]["at3"], **per_rank[2]["at3"], **per_rank[3]["at3"]}
+    model = MultiModalModel.load_from_checkpoint(exported)
+    for name, value in model.named_parameters():
+        assert torch.equal(value.detach(), at3[name]), name
+    adam = state["optimizer_states"][0]["state"]
+    names = [n for n, _ in model.named_parameters()]
+    for index, name in enumerate(names):
+        assert adam[index]["exp_avg"].shape == at3[name].shape, name  # whole, not a shard
