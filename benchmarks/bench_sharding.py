@@ -1,7 +1,7 @@
 """Per-module sharding and recompute: memory per rank, and data-parallel gradient sync overlapped with the drain.
 
     python benchmarks/bench_sharding.py memory          # pp=2, dp=4, Adam: plain / shard / shard+recompute
-    python benchmarks/bench_sharding.py sync            # sleep stages: dp=1 vs dp=2 overlapped vs post-step
+    python benchmarks/bench_sharding.py sync            # sleep stages: dp=1 vs dp=2, sums started early or post-step
 
 ``memory``: a LightningModule holds one pipelined module ``net`` of ``--layers`` MLP blocks
 (``x + Linear(4w, w)(gelu(Linear(w, 4w)(x)))``, width ``--width``) placed ``pp=2, dp=4`` (8
@@ -18,13 +18,17 @@ forked gloo ranks), Adam (``foreach=False``), two training steps under the real 
   gelu's output), ``w`` with it (the block input), plus, during a backward, one block's
   recomputed intermediates.
 
-``sync``: sleep stages (forward ``--tf``, backward ``--tb`` seconds) on a ``--pp``-stage chain,
-each stage with a ``--grad-mib`` MiB gradient (a parameter whose gradient costs nothing to
-compute). Three ways, timed in one launch of ``2 x pp`` processes, rounds interleaved:
-``dp=1`` (ranks 0..pp-1, no reduction), ``dp=2 overlapped`` (each stage's all-reduce starts as
-soon as its last backward of the step has run, :class:`~lightning_mmpp.data_parallel.StageGradients`
-as the runtime's gradient sync, waited for at the end), ``dp=2 post-step`` (the old way: every
-all-reduce starts after the whole schedule). Step time: max over ranks of schedule + reduction
+``sync``: sleep stages (forward ``--tf``, backward ``--tb`` seconds), each with a
+``--grad-mib`` MiB gradient (a parameter whose gradient costs nothing to compute), on
+``--layout dag`` (an encoder, dp=1, feeding an LM of ``pp-1`` stages with dp=1 or 2) or
+``--layout chain`` (one module of ``pp`` stages, dp=1 or 2). A stage is ``--layers`` sleep
+layers, each with ``1/layers`` of the time and of the gradient. Four ways, timed in one launch,
+rounds interleaved: ``dp=1`` (no reduction); with dp=2,
+:class:`~lightning_mmpp.data_parallel.StageGradients` as the runtime's gradient sync with
+``--bucket-mib`` buckets launched from gradient hooks during the stage's last backward
+(``in last B``, what the strategy does on accelerators) or after it (``after last B``, what it
+does on CPU), and ``post-step`` (the old way: every all-reduce starts after the whole
+schedule). Step time: max over ranks of schedule + reduction
 wait; ``exposed`` is the longest wait for the reduction after the schedule.
 """
 
@@ -74,9 +78,16 @@ class Block(nn.Module):
 
 
 class Net(L.LightningModule):
+    """Built in ``configure_model`` (on the meta device under the strategy): each rank
+    allocates only its own stage, so the process base holds no model."""
+
     def __init__(self, width: int, layers: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(*(Block(width) for _ in range(layers)))
+        self.width, self.layers = width, layers
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = nn.Sequential(*(Block(self.width) for _ in range(self.layers)))
 
     def pipeline_inputs(self, module, batch, upstream):
         return batch[0]
@@ -101,8 +112,8 @@ class SavedActivations:
         self.peak = 0
 
     def pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or t.device.type == "meta":
-            return t
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+            return t  # a parameter (or a view of one, as a linear saves weight.t()) is no activation
         return _Held(self, t)
 
     @staticmethod
@@ -140,9 +151,8 @@ def memory_worker(rank: int, world: int, mode: str, width: int, layers: int, pp:
     from torch.distributed.tensor import DTensor
 
     cuda = torch.cuda.is_available()
-    torch.manual_seed(0)
     model = Net(width, layers)
-    base = start_memory_measurement()  # the whole-model build is not counted
+    base = start_memory_measurement()
     shard, recompute = MEMORY_MODES[mode]
     placement = ModulePlacement(pp=pp, dp=dp, shard=shard, recompute=recompute)
     strategy = MultiModulePipelineStrategy({"net": placement}, {"net": []}, num_microbatches=m)
@@ -181,31 +191,45 @@ def run_memory(args: argparse.Namespace) -> None:
     print(f"({args.layers} blocks of {block * 4 / MIB:.1f} MiB fp32 parameters, {world} ranks, microbatch "
           f"{args.rows} rows per replica; {machine()})")
     rows, summary = [], {}
+    # what Lightning, the process groups and FSDP2 add whatever the model: a tiny model, same run
+    framework = {mode: max(r["peak"] for r in run_distributed(
+        memory_worker, world, mode, 8, args.layers, args.pp, args.dp, args.m, 1, timeout=900, init_pg=False))
+        for mode in args.modes}
     for mode in args.modes:
         per_rank = run_distributed(memory_worker, world, mode, args.width, args.layers, args.pp, args.dp, args.m,
                                    args.rows, timeout=900, init_pg=False)
         shard = MEMORY_MODES[mode][0]
         for rank, r in enumerate(per_rank):
             theory = 16 * r["stage_params"] / (args.dp if shard else 1)
+            # 1F1B keeps min(m, pp - stage) microbatches in flight on a stage
+            in_flight = min(args.m, args.pp - r["stage"])
+            per_row = args.width if MEMORY_MODES[mode][1] else 9 * args.width
+            stash = in_flight * args.layers // args.pp * args.rows * per_row * 4
             rows.append((mode, rank, r["stage"], f"{theory / MIB:.1f}", f"{r['own'] / MIB:.1f}",
-                         f"{r['own'] / theory:.3f}", f"{r['peak'] / MIB:.0f}", f"{r['saved'] / MIB:.1f}"))
+                         f"{r['own'] / theory:.3f}", f"{r['peak'] / MIB:.0f}",
+                         f"{(r['peak'] - framework[mode]) / MIB:.0f}", f"{stash / MIB:.1f}",
+                         f"{r['saved'] / MIB:.1f}"))
         summary[mode] = per_rank
     section("per rank: parameters + gradients + Adam state (as held), peak RSS - base, peak saved activations")
+    print("framework growth with a tiny model (same run): "
+          + ", ".join(f"{mode} {v / MIB:.0f} MiB" for mode, v in framework.items()))
     print(table(["mode", "rank", "stage", "theory MiB", "held MiB", "held/theory", "peak-base MiB",
-                 "saved act. MiB"], rows))
+                 "minus framework MiB", "stash theory MiB", "saved act. MiB"], rows))
     if {"plain", "shard"} <= summary.keys():
         section("ratios, same run (per stage, max over its replicas)")
         out = []
         for stage in range(args.pp):
             def worst(mode: str, key: str) -> float:
                 return max(r[key] for r in summary[mode] if r["stage"] == stage)
+            def model_peak(mode: str) -> float:
+                return worst(mode, "peak") - framework[mode]
             line = [stage, f"{worst('shard', 'own') / (worst('plain', 'own') / args.dp):.3f}",
-                    f"{worst('shard', 'peak') / worst('plain', 'peak'):.2f}"]
+                    f"{model_peak('shard') / model_peak('plain'):.2f}"]
             if "shard+recompute" in summary:
                 line.append(f"{worst('shard', 'saved') / worst('shard+recompute', 'saved'):.2f}")
-                line.append(f"{worst('shard+recompute', 'peak') / worst('plain', 'peak'):.2f}")
+                line.append(f"{model_peak('shard+recompute') / model_peak('plain'):.2f}")
             out.append(line)
-        headers = ["stage", "sharded held / (plain held / dp)", "peak shard / plain"]
+        headers = ["stage", "sharded held / (plain held / dp)", "peak shard / plain (minus framework)"]
         if "shard+recompute" in summary:
             headers += ["saved act. shard / shard+recompute", "peak shard+recompute / plain"]
         print(table(headers, out))
@@ -231,21 +255,30 @@ class SyncPipeline:
     """This rank's stages of a sleep-stage chain, with its gradient reduction done one of three ways."""
 
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float, numel: int,
-                 way: str, groups: dict) -> None:
+                 way: str, groups: dict, p2p_group: Any = None, layers: int = 1,
+                 bucket_bytes: int = 4 * MIB) -> None:
         self.layout, self.rank, self.way = layout, rank, way
         self.active = rank < layout.world_size
         if not self.active:
             return
-        self.runners = {slot.module: StageRunner(slot.module, slot.stage, [BallastSleepStage(tf, tb, numel)], ["0"])
-                        for slot in layout.slots(rank)}
-        self.gradients = StageGradients.for_rank(layout, rank, self.runners, groups, layout.world_size)
-        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        # each stage: ``layers`` sleep layers sharing tf, tb and the gradient bytes
+        self.runners = {
+            slot.module: StageRunner(slot.module, slot.stage,
+                                     [BallastSleepStage(tf / layers, tb / layers, numel // layers) for _ in range(layers)],
+                                     [str(i) for i in range(layers)])
+            for slot in layout.slots(rank)
+        }
+        self.gradients = StageGradients.for_rank(layout, rank, self.runners, groups, layout.world_size,
+                                                 bucket_bytes=bucket_bytes)
+        self.gradients.launch_in_backward = way == "in backward"
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), group=p2p_group)
         self.comm = comm
-        sync = self.gradients if way == "overlapped" else None
+        sync = self.gradients if way in ("in backward", "after") else None
         self.runtime = PipelineRuntime(layout, rank, comm, self.runners, SleepHooks(), gradient_sync=sync)
         self.schedule = build_schedule(layout, m, "1f1b")
         g = torch.Generator().manual_seed(0)
-        self.data = [torch.randn(8 * layout.placements["a"].dp, 256, generator=g) for _ in range(m)]
+        rows = 8 * max(p.dp for p in layout.placements.values())
+        self.data = [torch.randn(rows, 256, generator=g) for _ in range(m)]
         self.exposed: list[float] = []
 
     def _shard(self, module: str, k: int) -> torch.Tensor:
@@ -263,47 +296,63 @@ class SyncPipeline:
         self.runtime.run(self.schedule, self._shard)
         self.comm.wait_sends()
         drained = time.perf_counter()
-        self.gradients.synchronize()  # post-step: starts and waits; overlapped: waits
+        self.gradients.synchronize()  # post-step: starts and waits; otherwise: waits
         end = time.perf_counter()
         self.exposed.append(end - drained)
         return end - start
 
 
-def sync_worker(rank: int, world: int, pp: int, m: int, tf: float, tb: float, numel: int, rounds: int,
-                steps: int) -> dict:
-    dp1 = PipelineLayout({"a": ModulePlacement(pp=pp)}, {"a": []})
-    dp2 = PipelineLayout({"a": ModulePlacement(pp=pp, dp=2)}, {"a": []})
+def sync_layouts(layout: str, pp: int) -> tuple[PipelineLayout, PipelineLayout]:
+    """(dp=1, dp=2) versions of a benchmark layout: the same stages, the dp=2 one with two
+    replicas of the data-parallel module (each doing the dp=1 per-replica work)."""
+    if layout == "chain":  # one module: stage 0's last backward ends the step, no drain after it
+        return tuple(PipelineLayout({"a": ModulePlacement(pp=pp, dp=dp)}, {"a": []}) for dp in (1, 2))  # type: ignore[return-value]
+    # an encoder (dp=1) feeding an LM of pp-1 stages: the LM's reductions overlap the encoder's drain
+    return tuple(PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=pp - 1, dp=dp)},  # type: ignore[return-value]
+                                {"enc": ["llm"], "llm": []}) for dp in (1, 2))
+
+
+def sync_worker(rank: int, world: int, layout: str, pp: int, m: int, tf: float, tb: float, numel: int,
+                rounds: int, steps: int, layers: int, bucket_bytes: int) -> dict:
+    dp1, dp2 = sync_layouts(layout, pp)
     groups = {ranks: dist.new_group(list(ranks)) for ranks in dp2.dp_groups()}
+    first = dist.new_group(list(range(dp1.world_size)))  # every rank creates it; the dp=1 ranks use it
     pipes = {
-        "dp=1": SyncPipeline(dp1, rank, m, tf, tb, numel, "none", {}),
-        "dp=2 overlapped": SyncPipeline(dp2, rank, m, tf, tb, numel, "overlapped", groups),
-        "dp=2 post-step": SyncPipeline(dp2, rank, m, tf, tb, numel, "post-step", groups),
+        "dp=1": SyncPipeline(dp1, rank, m, tf, tb, numel, "none", {}, first, layers, bucket_bytes),
+        "dp=2 in last B (buckets)": SyncPipeline(dp2, rank, m, tf, tb, numel, "in backward", groups, None, layers,
+                                                 bucket_bytes),
+        "dp=2 after last B": SyncPipeline(dp2, rank, m, tf, tb, numel, "after", groups, None, layers, bucket_bytes),
+        "dp=2 post-step": SyncPipeline(dp2, rank, m, tf, tb, numel, "post-step", groups, None, layers, bucket_bytes),
     }
     times = interleaved({name: pipe.step for name, pipe in pipes.items()}, rounds, steps)
     exposed = {name: gather_max([median(pipe.exposed) if pipe.active else 0.0])[0] for name, pipe in pipes.items()}
     # what one stage's reduction costs when nothing overlaps it
     flat = torch.zeros(numel + 1)
-    group = groups[dp2.dp_group("a", dp2.slot(rank, "a").stage)]
+    mine = [group for ranks, group in groups.items() if rank in ranks]
     alone = []
     for _ in range(5):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(flat, group=group)
+        if mine:
+            dist.all_reduce(flat, group=mine[0])
         alone.append(time.perf_counter() - start)
     return {"times": times, "exposed": exposed, "alone": gather_max([median(alone)])[0]}
 
 
 def run_sync(args: argparse.Namespace) -> None:
     numel = int(args.grad_mib * MIB / 4)
-    print(f"$ python benchmarks/bench_sharding.py sync --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
-          f"--grad-mib {args.grad_mib} --rounds {args.rounds} --steps {args.steps}")
+    print(f"$ python benchmarks/bench_sharding.py sync --layout {args.layout} --pp {args.pp} --m {args.m} "
+          f"--tf {args.tf} --tb {args.tb} --grad-mib {args.grad_mib} --layers {args.layers} "
+          f"--bucket-mib {args.bucket_mib} --rounds {args.rounds} --steps {args.steps}")
     print(f"({machine()})")
-    out = run_distributed(sync_worker, 2 * args.pp, args.pp, args.m, args.tf, args.tb, numel, args.rounds,
-                          args.steps, timeout=900, init_pg=True)[0]
+    world = sync_layouts(args.layout, args.pp)[1].world_size
+    out = run_distributed(sync_worker, world, args.layout, args.pp, args.m, args.tf, args.tb, numel, args.rounds,
+                          args.steps, args.layers, int(args.bucket_mib * MIB), timeout=900, init_pg=True)[0]
     base = median(out["times"]["dp=1"])
     rows = [(name, f"{median(t) * 1000:.1f}", f"{median(t) / base:.3f}", f"{out['exposed'][name] * 1000:.1f}")
             for name, t in out["times"].items()]
-    section(f"1F1B step, {args.pp}-stage chain, m={args.m}, {args.grad_mib} MiB gradient per stage "
+    what = f"{args.pp}-stage chain" if args.layout == "chain" else f"encoder -> LM of {args.pp - 1} stages (dp on the LM)"
+    section(f"1F1B step, {what}, m={args.m}, {args.grad_mib} MiB gradient per stage in {args.layers} layers "
             f"(one all-reduce alone: {out['alone'] * 1000:.1f} ms)")
     print(table(["gradient sync", "step ms (median)", "/ dp=1", "exposed reduction ms (median, worst rank)"], rows))
 
@@ -320,11 +369,14 @@ def main() -> None:
     mem.add_argument("--rows", type=int, default=128, help="rows per microbatch and replica")
     mem.add_argument("--modes", nargs="+", default=list(MEMORY_MODES), choices=list(MEMORY_MODES))
     sync = sub.add_parser("sync")
+    sync.add_argument("--layout", default="dag", choices=("dag", "chain"))
     sync.add_argument("--pp", type=int, default=4)
     sync.add_argument("--m", type=int, default=8)
     sync.add_argument("--tf", type=float, default=0.02)
     sync.add_argument("--tb", type=float, default=0.04)
     sync.add_argument("--grad-mib", type=float, default=16.0)
+    sync.add_argument("--layers", type=int, default=4, help="layers per stage (one gradient bucket each)")
+    sync.add_argument("--bucket-mib", type=float, default=4.0)
     sync.add_argument("--rounds", type=int, default=3)
     sync.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()

@@ -347,16 +347,20 @@ class PipelineRuntime:
             a.module: index for index, a in enumerate(actions)
             if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
         }
+        finished: list[str] = []  # stages whose gradients are complete, told after the next exchange
         for index, action in enumerate(actions):
             try:
                 if isinstance(action, Exchange):
                     self._exchange(step, action)
+                    for module in finished:  # the input gradients are on their way upstream first
+                        self.gradient_sync.after_last_backward(module)
+                    finished = []
                 elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
                     last = last_gradient[action.module] == index
                     self.gradient_sync.before_backward(action.module, last)
                     self._compute(step, action)
                     if last:
-                        self.gradient_sync.after_last_backward(action.module)
+                        finished.append(action.module)
                 else:
                     self._compute(step, action)
             except PipelineError:
@@ -366,6 +370,8 @@ class PipelineRuntime:
                 k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
                 self.failures.publish_exception(err, k)
                 raise
+        for module in finished:
+            self.gradient_sync.after_last_backward(module)
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 

@@ -353,9 +353,12 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         # a parameter tied across ranks counts once in the global norm, on its first owner
         counted_elsewhere = [t.local for t in self._partition.tied
                              if t.local is not None and not counts_in_norm(self.layout, t, self.global_rank)]
+        if self._gradients is not None:
+            self._gradients.close()
         self._gradients = StageGradients.for_rank(
             self.layout, self.global_rank, self._partition.runners, self._dp_groups, self.world_size,
             counted_elsewhere=counted_elsewhere, sharded=self._sharded,
+            launch_in_backward=self.root_device.type != "cpu",  # see lightning_mmpp.data_parallel
         )
         self._batches = BatchSplitter(self.layout, self.global_rank, self.num_microbatches)  # type: ignore[arg-type]
         if self.world_size > 1 and not self._tie_groups:
@@ -781,6 +784,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             if _distributed_is_initialized():
                 dist.destroy_process_group(group)
         self._dp_groups = {}
+        if self._gradients is not None:
+            self._gradients.close()
+            self._gradients = None
         self._failures.release()
         if self._preemption is not None:
             self._preemption.uninstall()

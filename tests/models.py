@@ -99,7 +99,7 @@ class MultiModalModel(L.LightningModule):
         if module == "aux":
             return upstream["enc_a"]
         if module == "llm":
-            h = torch.zeros(batch["ids"].shape + (HIDDEN,), dtype=torch.float32, device=batch["ids"].device)
+            h = torch.zeros(batch["ids"].shape + (HIDDEN,), dtype=torch.get_default_dtype(), device=batch["ids"].device)
             for name in sorted(upstream):
                 h = h + upstream[name].unsqueeze(1)
             return {"h": h, "ids": batch["ids"]}

@@ -162,8 +162,10 @@ def _sharded_checkpoints(rank, world, root: str) -> dict:
     _fit(UNSHARDED, 1, saver=plain)
     out["from_unsharded"] = _fit(SHARDED, 2, ckpt_path=plain.best_model_path).end
     out["unsharded_straight"] = _fit(UNSHARDED, 2).end
-    bf16 = _fit(SHARDED, 1, precision="bf16-mixed")
-    out["bf16_loss"], out["bf16_dtypes"] = bf16.loss, {p.dtype for p in bf16.end.values()}
+    recomputed = {"enc_a": P(dp=2, shard=True, recompute=True), "llm": P(pp=2, recompute=True)}
+    for precision in ("bf16-mixed", "bf16-true"):
+        run = _fit(recomputed, 1, precision=precision)
+        out[precision] = (run.loss, {p.dtype for p in run.end.values()}, run.sharded)
     return out
 
 
@@ -183,8 +185,10 @@ def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path:
             torch.testing.assert_close(value, out["straight"][name], **close, msg=f"rank {rank} {name}")
         for name, value in out["from_unsharded"].items():
             torch.testing.assert_close(value, out["unsharded_straight"][name], **close, msg=f"rank {rank} {name}")
-        assert out["bf16_dtypes"] == {torch.float32}, out["bf16_dtypes"]  # fp32 shards for the optimizer
-        assert torch.isfinite(torch.tensor(out["bf16_loss"]))
+        for precision, dtype in (("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)):
+            loss, dtypes, sharded = out[precision]  # bf16-mixed: fp32 shards for the optimizer
+            assert dtypes == {dtype} and torch.isfinite(torch.tensor(loss)), (precision, loss, dtypes)
+            assert sharded == (["enc_a"] if rank < 2 else []), (precision, sharded)
 
     # one file for one process: whole tensors, loadable without the strategy
     exported = export_checkpoint(enc_rank["ckpt"], tmp_path / "one.ckpt")
