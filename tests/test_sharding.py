@@ -169,10 +169,18 @@ def _sharded_checkpoints(rank, world, root: str) -> dict:
     return out
 
 
+ONE_EACH = {"enc_a": P(), "llm": P()}  # 2 ranks: another pp, dp and world size
+
+
+def _resume_elsewhere(rank, world, ckpt: str) -> dict:
+    return _fit(ONE_EACH, 2, ckpt_path=ckpt).end
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path: Path):
     per_rank = run_distributed(_sharded_checkpoints, 4, str(tmp_path), timeout=240, init_pg=False)
+    elsewhere = run_distributed(_resume_elsewhere, 2, per_rank[0]["ckpt"], timeout=120, init_pg=False)
     enc_rank = per_rank[0]
     assert enc_rank["sharded_modules"] == ["enc_a"]
     close = dict(rtol=1e-5, atol=1e-6)
@@ -189,6 +197,11 @@ def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path:
             loss, dtypes, sharded = out[precision]  # bf16-mixed: fp32 shards for the optimizer
             assert dtypes == {dtype} and torch.isfinite(torch.tensor(loss)), (precision, loss, dtypes)
             assert sharded == (["enc_a"] if rank < 2 else []), (precision, sharded)
+
+    straight = {**per_rank[0]["straight"], **per_rank[2]["straight"], **per_rank[3]["straight"]}
+    for out in elsewhere:
+        for name, value in out.items():
+            torch.testing.assert_close(value, straight[name], **close, msg=f"pp=1 dp=1 resume {name}")
 
     # one file for one process: whole tensors, loadable without the strategy
     exported = export_checkpoint(enc_rank["ckpt"], tmp_path / "one.ckpt")
