@@ -214,3 +214,37 @@ def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path:
     names = [n for n, _ in model.named_parameters()]
     for index, name in enumerate(names):
         assert adam[index]["exp_avg"].shape == at3[name].shape, name  # whole, not a shard
+
+
+# --- meta-built sharded modules with pretrained weights ---------------------------------------------
+
+META_SHARDED = {"enc_a": P(dp=2, shard=True), "enc_b": P(), "llm": P(dp=2, shard=True, recompute=True)}
+
+
+def _fit_meta_sharded(rank, world, sources) -> dict:
+    from tests.test_materialize import SEED, TWO_ENC, MetaBuiltModel, _trainer_kwargs
+
+    L.seed_everything(SEED, verbose=False)
+    model = MetaBuiltModel(TWO_ENC, freeze=("enc_a",))
+    strategy = MultiModulePipelineStrategy(META_SHARDED, TWO_ENC, num_microbatches=4, pretrained=sources)
+    whole = _Whole()
+    L.Trainer(**_trainer_kwargs(world), strategy=strategy, callbacks=[whole]).fit(model, make_loader(TWO_ENC, 8, 16))
+    return {"initial": whole.start, "final": whole.end, "sharded": whole.sharded}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_meta_built_sharded_modules_load_pretrained_and_train_like_one_process(tmp_path: Path):
+    from tests.test_materialize import _pretrained_values, _reference, _write_sources
+
+    sources = _write_sources(tmp_path, _pretrained_values())["kinds"]
+    initial, final = _reference(sources, freeze=("enc_a",))
+    per_rank = run_distributed(_fit_meta_sharded, 5, sources, timeout=240, init_pg=False)
+    seen = set()
+    for rank, out in enumerate(per_rank):
+        assert out["sharded"] == {0: ["enc_a"], 1: ["enc_a"], 2: [], 3: ["llm"], 4: ["llm"]}[rank], out["sharded"]
+        for name, value in out["initial"].items():
+            assert torch.equal(value, initial[name]), f"initial {name}"
+            torch.testing.assert_close(out["final"][name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+            seen.add(name)
+    assert seen == set(initial)
