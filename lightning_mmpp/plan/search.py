@@ -162,6 +162,7 @@ class _Space:
     memory_limit: Optional[float]
     allow_shard: bool
     splits: dict[tuple[str, int], list[range]] = field(default_factory=dict)
+    smallest_static: float = math.inf  # least static bytes of a shape rejected for memory
 
     def work(self, module: str) -> list[float]:
         """Seconds per sample of every layer (forward, plus backward when it trains)."""
@@ -264,6 +265,7 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
                     if host in modules:
                         static[0 if where == "first" else pp - 1] += space.static_floor(m, 1, dp)[0]
                 if max(static) > space.memory_limit:
+                    space.smallest_static = min(space.smallest_static, max(static))
                     continue
             options.append((pp, dp, max(per_stage) * profile.batch_size / dp))
     return options
@@ -617,18 +619,19 @@ def _raise_nothing_fits(space: _Space, evaluator: _Evaluator, limit: Optional[fl
                 for m, mod in profile.modules.items() for layer in mod.layers)
     ranks_needed = max(world_size + 1, math.ceil(state / limit))
     if evaluator.smallest_peak is not None:
-        peak, desc = evaluator.smallest_peak
-        seen = f"the smallest predicted peak is {format_bytes(peak)} per rank ({desc})"
+        least, desc = evaluator.smallest_peak
+        seen = f"the smallest predicted peak is {format_bytes(least)} per rank ({desc})"
     else:
-        seen = "every layout needs more than that for the parameters, gradients and optimizer state alone"
+        least = space.smallest_static if space.smallest_static < math.inf else state
+        seen = (f"every layout needs at least {format_bytes(least)} on some rank for parameters, gradients and "
+                "optimizer state alone")
     levers = "with shard=True (dp >= 2) and recompute=True already tried" if space.allow_shard else \
         "allow shard=True (dp >= 2) to split parameters and optimizer state"
     raise PipelineConfigError(
         f"no placement on {world_size} rank(s) fits memory_limit {format_bytes(limit)}: {seen}, {levers}. "
-        f"Raise the limit to at least {format_bytes(evaluator.smallest_peak[0] if evaluator.smallest_peak else state)}, "
-        f"use more ranks (parameters, gradients and optimizer state total {format_bytes(state)}: at least "
-        f"{ranks_needed} ranks at this limit), fewer samples per microbatch (a smaller batch or more microbatches), "
-        "or a smaller model."
+        f"Raise the limit to at least {format_bytes(least)}, use more ranks (parameters, gradients and optimizer "
+        f"state total {format_bytes(state)}: at least {ranks_needed} ranks at this limit), fewer samples per "
+        "microbatch (a smaller batch or more microbatches), or a smaller model."
     )
 
 
