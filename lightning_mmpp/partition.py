@@ -8,38 +8,9 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_mmpp.balance import balanced_split  # noqa: F401  (re-exported: the partitioner's split)
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import PipelineLayout
-
-
-def balanced_split(weights: Sequence[int], parts: int) -> list[range]:
-    """Split ``weights`` into ``parts`` contiguous non-empty ranges minimising the heaviest range.
-
-    Ties go to the split that puts earlier boundaries as late as possible, so the result is
-    deterministic (every rank computes the same split).
-    """
-    n = len(weights)
-    if parts > n:
-        raise ValueError(f"cannot split {n} layers into {parts} stages")
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[p][i]: minimal max-part weight splitting the first i layers into p parts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for p in range(1, parts + 1):
-        for i in range(p, n + 1):
-            for j in range(p - 1, i):
-                cost = max(best[p - 1][j], prefix[i] - prefix[j])
-                if cost <= best[p][i]:
-                    best[p][i], cut[p][i] = cost, j
-    bounds = [n]
-    for p in range(parts, 0, -1):
-        bounds.append(cut[p][bounds[-1]])
-    bounds.reverse()
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
 def stage_ranges(layers: Sequence[nn.Module], pp: int, split_points: Sequence[int] | None, module: str) -> list[range]:

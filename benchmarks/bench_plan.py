@@ -1,0 +1,182 @@
+"""The placement planner: search time, predicted gains, and predicted against measured step time.
+
+    python benchmarks/bench_plan.py              # planner time + ratios (one process, seconds)
+    python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (4 processes)
+
+* planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
+* predicted step of the top plan against the best uniform layout (every module the same pp,
+  no colocation) and the best single chain (all layers in one pipeline, the encoders one after
+  the other), at equal ranks and memory limit;
+* ``--validate``: sleep-stage models with known costs (a layer sleeps its forward / backward
+  time scaled by the samples it gets), the top plan and the best uniform plan run by
+  lightning_mmpp's communicator, schedule and runtime in forked gloo processes: measured median
+  step (slowest rank) against the planner's prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile, chain_profile, plan_placements  # noqa: E402
+
+MB = 2**20
+GiB = 2**30
+
+
+def layers(n: int, forward: float, backward: float, param_bytes: float, activation: float) -> list[LayerProfile]:
+    return [LayerProfile(str(i), forward, backward, param_bytes=int(param_bytes), activation_bytes_per_sample=activation,
+                         input_bytes_per_sample=activation / 8, output_bytes_per_sample=activation / 8)
+            for i in range(n)]
+
+
+def vlm_profile(decoder: bool = False) -> ModelProfile:
+    """Times per 32 samples: a 12-layer vision encoder, a 6-layer audio encoder, a 32-layer LM."""
+    modules = {"vision": ModuleProfile(layers(12, 0.008, 0.016, 40 * MB, 8 * MB)),
+               "audio": ModuleProfile(layers(6, 0.006, 0.012, 20 * MB, 4 * MB)),
+               "llm": ModuleProfile(layers(32, 0.010, 0.020, 400 * MB, 12 * MB))}
+    topology: dict[str, list[str]] = {"vision": ["llm"], "audio": ["llm"], "llm": []}
+    if decoder:
+        modules["dec"] = ModuleProfile(layers(8, 0.006, 0.012, 100 * MB, 8 * MB))
+        topology["llm"] = ["dec"]
+        topology["dec"] = []
+    return ModelProfile(modules=modules, topology=topology, profile_batch_size=32, batch_size=256,
+                        bandwidth_bytes_per_s=50e9, latency_s=2e-5)
+
+
+def planner_section() -> None:
+    print("planner time and predicted gains (memory limit 40 GiB per rank, global batch 256)")
+    print("ranks  modules  plan s  top ms  uniform ms  chain ms  uniform/top  chain/top")
+    for world, decoder in ((8, False), (16, False), (64, False), (64, True)):
+        profile = vlm_profile(decoder)
+        start = time.perf_counter()
+        top = plan_placements(profile, world, memory_limit_bytes=40 * GiB, top_k=5)[0]
+        seconds = time.perf_counter() - start
+        uniform = plan_placements(profile, world, memory_limit_bytes=40 * GiB, top_k=1, uniform=True)[0]
+        chain = plan_placements(chain_profile(profile), world, memory_limit_bytes=40 * GiB, top_k=1)[0]
+        print(f"{world:5d}  {len(profile.modules):7d}  {seconds:6.2f}  {top.step_time_s * 1e3:6.0f}  "
+              f"{uniform.step_time_s * 1e3:10.0f}  {chain.step_time_s * 1e3:8.0f}  "
+              f"{uniform.step_time_s / top.step_time_s:11.2f}  {chain.step_time_s / top.step_time_s:9.2f}")
+        print(f"       top: {top.describe()}, m={top.num_microbatches}")
+
+
+# --- validation on sleep stages -------------------------------------------------------------
+
+
+def sleep_profile() -> ModelProfile:
+    """Known costs per 16 samples (the whole batch): two encoders and a 6-layer LM."""
+    return ModelProfile(
+        modules={"vision": ModuleProfile(layers(2, 0.030, 0.060, 4, 4096)),
+                 "audio": ModuleProfile(layers(1, 0.020, 0.040, 4, 4096)),
+                 "llm": ModuleProfile(layers(6, 0.012, 0.024, 4, 4096))},
+        topology={"vision": ["llm"], "audio": ["llm"], "llm": []},
+        profile_batch_size=16, batch_size=16, bandwidth_bytes_per_s=2e9, latency_s=7e-4,
+    )
+
+
+def worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from benchmarks.common import SleepHooks
+    from lightning_mmpp.comm import MultiModuleCommunicator
+    from lightning_mmpp.partition import StageRunner
+    from lightning_mmpp.plan.costs import CostModel
+    from lightning_mmpp.runtime import PipelineRuntime
+    from lightning_mmpp.schedule import build_schedule
+
+    class SampleSleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
+            ctx.tb = tb * x.shape[0]
+            time.sleep(tf * x.shape[0])
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            time.sleep(ctx.tb)
+            return grad, None, None
+
+    class Layer(nn.Module):
+        def __init__(self, tf: float, tb: float) -> None:
+            super().__init__()
+            self.tf, self.tb = tf, tb
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SampleSleep.apply(x * self.scale, self.tf, self.tb)
+
+    per = profile.profile_batch_size
+    medians = []
+    for plan in plans:
+        layout = plan.layout()
+        cost = CostModel(profile, plan.placements, plan.num_microbatches)
+        runners = {}
+        for slot in layout.slots(rank):
+            prof = profile.modules[slot.module].layers
+            span = cost.ranges(slot.module)[slot.stage]
+            runners[slot.module] = StageRunner(slot.module, slot.stage,
+                                               [Layer(prof[i].forward_s / per, prof[i].backward_s / per) for i in span],
+                                               [str(i) for i in span])
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        runtime = PipelineRuntime(layout, rank, comm, runners, SleepHooks())
+        schedule = build_schedule(layout, plan.num_microbatches, plan.schedule)
+        mb = profile.batch_size // plan.num_microbatches
+        data = [torch.randn(mb, 128) for _ in range(plan.num_microbatches)]
+
+        def shard(module: str, k: int) -> torch.Tensor:
+            slot = layout.slot(rank, module)
+            return data[k][layout.batch_shard(module, slot.replica, mb)]
+
+        times = []
+        for step in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            runtime.run(schedule, shard)
+            comm.wait_sends()
+            t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if step:
+                times.append(float(t))
+        times.sort()
+        medians.append(times[len(times) // 2])
+    return medians
+
+
+def validation_section(world: int, steps: int) -> None:
+    from tests.dist import run_distributed
+
+    profile = sleep_profile()
+    top = plan_placements(profile, world, top_k=1)[0]
+    uniform = plan_placements(profile, world, top_k=1, uniform=True)[0]
+    chain_best = plan_placements(chain_profile(profile), world, top_k=1)[0]
+    results = run_distributed(worker, world, [top, uniform], profile, steps, timeout=600)
+    measured = results[0]
+    print(f"\nvalidation: sleep stages, {world} ranks, global batch {profile.batch_size}, median of {steps} steps")
+    print("plan     predicted ms  measured ms  measured/predicted  layout")
+    for name, plan, seconds in (("top", top, measured[0]), ("uniform", uniform, measured[1])):
+        print(f"{name:8s} {plan.step_time_s * 1e3:12.1f}  {seconds * 1e3:11.1f}  {seconds / plan.step_time_s:18.2f}  "
+              f"{plan.describe()}, m={plan.num_microbatches}")
+    print(f"measured uniform/top {measured[1] / measured[0]:.2f}; predicted single chain/top "
+          f"{chain_best.step_time_s / top.step_time_s:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    planner_section()
+    if args.validate:
+        validation_section(args.world, args.steps)
+
+
+if __name__ == "__main__":
+    main()

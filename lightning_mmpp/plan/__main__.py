@@ -1,0 +1,142 @@
+"""``python -m lightning_mmpp.plan``: profile a model (or read a profile) and print the best layouts.
+
+    python -m lightning_mmpp.plan examples/train_multimodal.py:VisionAudioLM --world-size 8 --memory-limit 80GB
+    python -m lightning_mmpp.plan --profile profile.json --world-size 64 --json
+
+``script.py:ModelClass`` imports the script (its ``if __name__ == "__main__"`` block does not
+run), builds ``ModelClass()`` and a sample batch of ``--batch-size`` samples from, in order:
+a function ``sample_batch(batch_size)`` in the script, or the first ``Dataset`` class of the
+script whose constructor takes the dataset size (``batch_size`` samples, collated by
+``default_collate``). The topology is the model's ``pipeline_topology`` or the script's
+``TOPOLOGY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from typing import Any, Optional
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.plan.costs import ModelProfile
+from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"2.5e9"`` -> bytes (a trailing ``/s`` is ignored)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*(/s)?\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 8e10")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _load_script(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise PipelineConfigError(f"{path!r} is not a file; give path/to/script.py:ModelClass.")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    spec = importlib.util.spec_from_file_location("_mmpp_plan_target", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sample_batch(script: Any, batch_size: int) -> Any:
+    if callable(getattr(script, "sample_batch", None)):
+        return script.sample_batch(batch_size)
+    from torch.utils.data import Dataset, default_collate
+
+    for value in vars(script).values():
+        if inspect.isclass(value) and issubclass(value, Dataset) and value.__module__ == script.__name__:
+            try:
+                dataset = value(batch_size)
+            except TypeError:
+                continue
+            return default_collate([dataset[i] for i in range(batch_size)])
+    raise PipelineConfigError(
+        f"{script.__file__}: found no way to make a sample batch; define sample_batch(batch_size) in the script "
+        "(returning one collated batch), or a Dataset class whose constructor takes the dataset size."
+    )
+
+
+def profile_target(target: str, batch_size: int, device: str, repeats: int, bandwidth: Optional[float],
+                   latency: Optional[float]) -> ModelProfile:
+    """Profile ``script.py:ModelClass`` on a sample batch (see the module docstring)."""
+    from lightning_mmpp.plan.profile import profile_model
+
+    path, sep, cls_name = target.rpartition(":")
+    if not sep:
+        raise PipelineConfigError(f"{target!r}: give path/to/script.py:ModelClass (or --profile profile.json).")
+    script = _load_script(path)
+    cls = getattr(script, cls_name, None)
+    if cls is None:
+        raise PipelineConfigError(f"{path} defines no {cls_name!r}.")
+    model = cls()
+    topology = getattr(model, "pipeline_topology", None) or getattr(script, "TOPOLOGY", None)
+    batch = _sample_batch(script, batch_size)
+    return profile_model(model, batch, device=device, repeats=repeats, topology=topology,
+                         bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The command line; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_mmpp.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?", help="path/to/script.py:ModelClass to profile")
+    parser.add_argument("--profile", help="plan from a saved profile (JSON) instead of a model")
+    parser.add_argument("--profile-out", help="write the measured profile to this JSON file")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--memory-limit", type=parse_bytes, help="per rank, e.g. 80GB or 80GiB")
+    parser.add_argument("--batch-size", type=int, help="global batch per step (default: the profiled batch, 32 "
+                        "when profiling)")
+    parser.add_argument("--microbatches", type=int, help="fix the microbatch count")
+    parser.add_argument("--schedules", default="1f1b", help="comma-separated: 1f1b,gpipe,zero_bubble")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where to profile")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth", type=parse_bytes, help="link bandwidth per second, e.g. 25GB/s")
+    parser.add_argument("--latency", type=float, help="seconds per message")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        if args.profile:
+            profile = ModelProfile.from_json(args.profile)
+            if args.bandwidth:
+                profile.bandwidth_bytes_per_s = args.bandwidth
+            if args.latency is not None:
+                profile.latency_s = args.latency
+        elif args.target:
+            profile = profile_target(args.target, args.batch_size or 32, args.device, args.repeats, args.bandwidth,
+                                     args.latency)
+        else:
+            parser.error("give script.py:ModelClass or --profile profile.json")
+        if args.profile_out:
+            profile.to_json(args.profile_out)
+        plans = plan_placements(profile, args.world_size, args.microbatches, args.memory_limit,
+                                tuple(s.strip() for s in args.schedules.split(",")), args.top_k,
+                                batch_size=args.batch_size)
+    except PipelineConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plans": [p.to_dict() for p in plans]}, indent=1))
+        return 0
+    limit = f", memory limit {format_bytes(args.memory_limit)} per rank" if args.memory_limit else ""
+    print(f"{len(plans)} best plans for {args.world_size} ranks, global batch {plans[0].batch_size}{limit}:")
+    print(plans_table(plans))
+    print()
+    print("best plan:")
+    print(plans[0].snippet())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""A model profile and the cost model the planner scores placements with (pure Python, no torch).
+
+:class:`ModelProfile` holds what :func:`lightning_mmpp.plan.profile_model` measured (or what a
+user wrote by hand): per layer of every module its forward and backward time on
+``profile_batch_size`` samples, the input-gradient part of the backward (for zero_bubble), its
+parameter bytes, and its activation bytes per sample; the module topology; the link bandwidth
+and per-message latency. It is saved as a small JSON file (:meth:`ModelProfile.to_json`), so
+planning can be redone without the model.
+
+:class:`CostModel` maps one candidate (placements with split points, shard / recompute flags,
+the microbatch count and the global batch) to what the simulator and the memory check need:
+
+* compute per ``(module, stage)`` and microbatch: layer times scale linearly with the samples a
+  replica processes, ``batch / (num_microbatches * dp)``; ``recompute`` adds the forward to
+  the backward; ``shard`` adds a parameter all-gather (``(dp-1)/dp * bytes / bandwidth``) to
+  every forward and backward;
+* transfers: the bytes crossing a stage boundary or a bridge, over ``bandwidth``, plus
+  ``latency`` per message; a stage's received activations are added to its forward, its
+  received gradients to its backward (a receive blocks the stage that needs the data);
+* the dp gradient sum after a stage's last backward: a ring all-reduce, ``2 (dp-1)/dp * bytes
+  / bandwidth`` (a reduce-scatter, half that, when sharded);
+* memory per rank: parameters, gradients and Adam state (``state_bytes_per_param_byte`` times
+  the parameter bytes, 16 B per fp32 parameter; parameter bytes only for a frozen module; all
+  of it / dp when sharded, plus one gathered layer), and the activations of the microbatches in
+  flight (with ``recompute``, only each layer's input, plus one layer's activations while it is
+  recomputed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from lightning_mmpp.balance import balanced_split
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+
+__all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds"]
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class LayerProfile:
+    """One layer of a module, measured on :attr:`ModelProfile.profile_batch_size` samples.
+
+    ``input_grad_s`` is the input-gradient part (``I``) of ``backward_s``; the rest is the
+    weight-gradient part (``W``). ``None``: half each. ``activation_bytes_per_sample``: what the
+    layer saves for its backward; ``input_bytes_per_sample`` / ``output_bytes_per_sample``: the
+    pytree it receives / returns (what a stage boundary carries, what recompute keeps).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    input_grad_s: Optional[float] = None
+    param_bytes: int = 0
+    trainable: bool = True
+    activation_bytes_per_sample: float = 0.0
+    input_bytes_per_sample: float = 0.0
+    output_bytes_per_sample: float = 0.0
+
+
+@dataclass
+class ModuleProfile:
+    """The layers of one module, in order (the children the partitioner splits)."""
+
+    layers: list[LayerProfile]
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any layer has parameters that train."""
+        return any(layer.trainable and layer.param_bytes > 0 for layer in self.layers)
+
+    def work(self) -> list[float]:
+        """Forward + backward seconds of every layer (the weights the stages are balanced by)."""
+        return [layer.forward_s + layer.backward_s for layer in self.layers]
+
+
+@dataclass
+class ModelProfile:
+    """Measured costs of a multi-module model; see the module docstring.
+
+    Args:
+        modules: ``{module: ModuleProfile}`` in declaration order.
+        topology: ``{module: [downstream modules]}``.
+        profile_batch_size: samples the layer times and bytes were measured on.
+        batch_size: the global batch of a training step the plans are for (default: the
+            profiled batch).
+        bandwidth_bytes_per_s: link bandwidth between ranks.
+        latency_s: fixed cost per message (and per collective).
+        state_bytes_per_param_byte: parameter + gradient + optimizer bytes per parameter byte
+            (4.0: fp32 parameters with Adam, 16 B per parameter).
+        device: where the profile was measured (informational).
+    """
+
+    modules: dict[str, ModuleProfile]
+    topology: dict[str, list[str]]
+    profile_batch_size: int
+    batch_size: int = 0
+    bandwidth_bytes_per_s: float = 10e9
+    latency_s: float = 0.0
+    state_bytes_per_param_byte: float = 4.0
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            self.batch_size = self.profile_batch_size
+        if set(self.modules) != set(self.topology):
+            raise PipelineConfigError(
+                f"profile modules {list(self.modules)} differ from its topology {list(self.topology)}; "
+                "every module of the topology needs a profile and vice versa."
+            )
+        if self.profile_batch_size <= 0 or self.bandwidth_bytes_per_s <= 0:
+            raise PipelineConfigError("a profile needs profile_batch_size > 0 and bandwidth_bytes_per_s > 0.")
+
+    # --- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (:meth:`from_dict` reads it back)."""
+        data = asdict(self)
+        data["version"] = PROFILE_VERSION
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        """Read the dict written by :meth:`to_dict`."""
+        data = dict(data)
+        version = data.pop("version", PROFILE_VERSION)
+        if version != PROFILE_VERSION:
+            raise PipelineConfigError(f"profile version {version} is not supported (expected {PROFILE_VERSION}).")
+        modules = {
+            name: ModuleProfile([LayerProfile(**layer) for layer in module["layers"]])
+            for name, module in data.pop("modules").items()
+        }
+        topology = {m: list(d) for m, d in data.pop("topology").items()}
+        return cls(modules=modules, topology=topology, **data)
+
+    def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
+        """The profile as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> "ModelProfile":
+        """Read a profile from a JSON file path, or from JSON text."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            with open(source) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    # --- derived ---------------------------------------------------------------------------
+
+    def total_work_s(self, samples: Optional[int] = None) -> float:
+        """Forward + backward seconds of the whole model on ``samples`` (default: the batch)."""
+        n = self.batch_size if samples is None else samples
+        return sum(sum(m.work()) for m in self.modules.values()) * n / self.profile_batch_size
+
+    def frozen_modules(self) -> frozenset[str]:
+        """Modules with no trainable parameter."""
+        return frozenset(name for name, m in self.modules.items() if not m.trainable)
+
+
+def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float = 0.0, scatter_only: bool = False) -> float:
+    """Ring all-reduce (or reduce-scatter / all-gather with ``scatter_only``) of ``nbytes`` over ``group`` ranks."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    factor = (1.0 if scatter_only else 2.0) * (group - 1) / group
+    return factor * nbytes / bandwidth + latency
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds per microbatch and bytes of one ``(module, stage)`` under a :class:`CostModel`."""
+
+    forward_s: float
+    backward_s: float
+    input_s: float  # the I half (zero_bubble)
+    weight_s: float  # the W half
+    sync_s: float  # dp gradient sum after the stage's last backward of the step
+    static_bytes: float  # parameters, gradients, optimizer state (this rank's share)
+    activation_bytes: float  # per microbatch in flight
+    transient_bytes: float  # one recomputed layer's activations, one gathered layer
+
+
+class CostModel:
+    """Costs of one candidate; see the module docstring.
+
+    Args:
+        profile: the measured model.
+        placements: ``{module: ModulePlacement}``; ``split_points=None`` balances the stages by
+            measured time (:meth:`split`).
+        num_microbatches: microbatches per step.
+        no_backward: modules that run no backward (frozen with nothing trainable upstream).
+    """
+
+    def __init__(self, profile: ModelProfile, placements: Mapping[str, ModulePlacement], num_microbatches: int,
+                 no_backward: frozenset[str] = frozenset()) -> None:
+        self.profile = profile
+        self.placements = dict(placements)
+        self.m = num_microbatches
+        self.no_backward = no_backward
+        self._ranges = {name: self.split(profile, name, p.pp, p.split_points) for name, p in self.placements.items()}
+        self._stages: dict[tuple[str, int], StageCost] = {}
+        for name, placement in self.placements.items():
+            for stage in range(placement.pp):
+                self._stages[(name, stage)] = self._stage(name, stage)
+
+    @staticmethod
+    def split(profile: ModelProfile, module: str, pp: int, split_points: Optional[Sequence[int]] = None) -> list[range]:
+        """Layer ranges of the ``pp`` stages: ``split_points`` if given, else balanced by time."""
+        layers = profile.modules[module].layers
+        if split_points is not None:
+            bounds = [0, *split_points, len(layers)]
+            return [range(bounds[i], bounds[i + 1]) for i in range(pp)]
+        return balanced_split(profile.modules[module].work(), pp)
+
+    def ranges(self, module: str) -> list[range]:
+        return self._ranges[module]
+
+    def samples(self, module: str) -> float:
+        """Samples one replica of ``module`` processes per microbatch."""
+        return self.profile.batch_size / (self.m * self.placements[module].dp)
+
+    def _message_seconds(self, producer: str, stage: int, samples: float, messages: int) -> float:
+        """Seconds to receive ``samples`` samples of the output of ``(producer, stage)`` in ``messages`` messages."""
+        layer = self.profile.modules[producer].layers[self._ranges[producer][stage][-1]]
+        nbytes = layer.output_bytes_per_sample * samples
+        return nbytes / self.profile.bandwidth_bytes_per_s + messages * self.profile.latency_s
+
+    def received_seconds(self, module: str, stage: int) -> float:
+        """Seconds one replica of ``(module, stage)`` spends receiving a microbatch's inputs:
+        its own samples of every producer's output (from ``up.dp / dp`` senders on a fan-in)."""
+        samples = self.samples(module)
+        if stage > 0:
+            return self._message_seconds(module, stage - 1, samples, 1)
+        dp = self.placements[module].dp
+        return sum(
+            self._message_seconds(up, self.placements[up].pp - 1, samples, max(1, self.placements[up].dp // dp))
+            for up, downs in self.profile.topology.items() if module in downs
+        )
+
+    def gradient_seconds(self, module: str, stage: int) -> float:
+        """Seconds one replica of ``(module, stage)`` spends receiving the gradients of its output."""
+        placement = self.placements[module]
+        samples = self.samples(module)
+        if stage < placement.pp - 1:
+            return self._message_seconds(module, stage, samples, 1)
+        return sum(
+            self._message_seconds(module, stage, samples, max(1, self.placements[down].dp // placement.dp))
+            for down in self.profile.topology[module] if down not in self.no_backward
+        )
+
+    def _stage(self, module: str, stage: int) -> StageCost:
+        profile = self.profile
+        placement = self.placements[module]
+        layers = [profile.modules[module].layers[i] for i in self._ranges[module][stage]]
+        scale = self.samples(module) / profile.profile_batch_size
+        forward = sum(layer.forward_s for layer in layers) * scale
+        backward = sum(layer.backward_s for layer in layers) * scale
+        input_half = sum(layer.backward_s / 2 if layer.input_grad_s is None else layer.input_grad_s
+                         for layer in layers) * scale
+        param_bytes = sum(layer.param_bytes for layer in layers)
+        trainable_bytes = sum(layer.param_bytes for layer in layers if layer.trainable)
+        dp = placement.dp
+        bw, lat = profile.bandwidth_bytes_per_s, profile.latency_s
+        gather = allreduce_seconds(param_bytes, dp, bw, lat, scatter_only=True) if placement.shard else 0.0
+        if placement.recompute:
+            backward += forward
+            input_half += forward
+        forward += gather + self.received_seconds(module, stage)
+        trains = module not in self.no_backward
+        if trains:
+            backward += gather + self.gradient_seconds(module, stage)
+        else:
+            backward = input_half = 0.0
+        weight_half = max(0.0, backward - input_half)
+        sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard) if trains else 0.0
+        state = param_bytes + trainable_bytes * (profile.state_bytes_per_param_byte - 1.0)
+        biggest_layer = max((layer.param_bytes for layer in layers), default=0)
+        static = state / dp + biggest_layer if placement.shard else state
+        samples = self.samples(module)
+        if not trains:
+            activation = 0.0
+            transient = max((layer.activation_bytes_per_sample for layer in layers), default=0.0) * samples
+        elif placement.recompute:
+            activation = sum(layer.input_bytes_per_sample for layer in layers) * samples
+            transient = max((layer.activation_bytes_per_sample for layer in layers), default=0.0) * samples
+        else:
+            activation = sum(layer.activation_bytes_per_sample for layer in layers) * samples
+            transient = 0.0
+        return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient)
+
+    def stage(self, module: str, stage: int) -> StageCost:
+        """The costs of ``(module, stage)``."""
+        return self._stages[(module, stage)]
+
+    # simulator cost functions: (module, stage) -> seconds
+    def forward(self, module: str, stage: int) -> float:
+        return self._stages[(module, stage)].forward_s
+
+    def backward(self, module: str, stage: int) -> float:
+        return self._stages[(module, stage)].backward_s
+
+    def input(self, module: str, stage: int) -> float:
+        return self._stages[(module, stage)].input_s
+
+    def weight(self, module: str, stage: int) -> float:
+        return self._stages[(module, stage)].weight_s
+
+    def inflight_bound(self, layout: PipelineLayout, module: str, stage: int, schedule: str) -> int:
+        """Microbatches ``(module, stage)`` holds at most under ``schedule`` (1F1B: ``depth - index``)."""
+        if module in self.no_backward:
+            return 0
+        if schedule == "gpipe":
+            return self.m
+        if schedule == "zero_bubble":
+            return min(self.m, layout.depth)
+        return min(self.m, layout.depth - layout.stage_index(module, stage, "alap"))
+
+    def peak_memory(self, layout: PipelineLayout, inflight: Mapping[tuple[int, str], float]) -> list[float]:
+        """Peak bytes per rank of ``layout`` given the microbatches each ``(rank, module)`` holds."""
+        peaks = []
+        for rank in range(layout.world_size):
+            total = 0.0
+            transient = 0.0
+            for slot in layout.slots(rank):
+                cost = self._stages[(slot.module, slot.stage)]
+                total += cost.static_bytes + inflight.get((rank, slot.module), 0) * cost.activation_bytes
+                transient = max(transient, cost.transient_bytes)
+            peaks.append(total + transient)
+        return peaks

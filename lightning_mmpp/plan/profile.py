@@ -1,0 +1,231 @@
+"""Measure a LightningModule layer by layer for the planner (torch).
+
+:func:`profile_model` composes the modules as :func:`lightning_mmpp.run_unpipelined` does
+(``pipeline_inputs`` in topological order, then the layers of each module's container, the
+same layers the partitioner splits) on one sample batch, in one process, and times every layer
+on its own: the forward, the fused backward (gradient of ones for every float output), and the
+input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
+zero_bubble). It records parameter bytes, the bytes the layer saves for its backward (counted
+with ``saved_tensors_hooks``, parameters excluded) and the bytes of its input and output
+pytrees, per sample.
+
+A model whose modules are built in ``configure_model()`` is built on the meta device and
+profiled one layer at a time: each layer is materialised (:func:`lightning_mmpp.materialize`)
+on ``device``, measured and returned to the meta device, so the whole model is never allocated.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.initialization import has_meta_tensors, materialize
+from lightning_mmpp.partition import _layer_container, named_layers
+from lightning_mmpp.plan.costs import LayerProfile, ModelProfile, ModuleProfile
+from lightning_mmpp.topology import ModuleTopology
+
+__all__ = ["default_link", "profile_model"]
+
+
+def default_link(device: str) -> tuple[float, float]:
+    """``(bandwidth bytes/s, latency s)`` assumed when none is given: gloo over loopback on
+    CPU (about 2 GB/s, 0.7 ms per exchange, ``benchmarks/README.md``); a GPU link otherwise."""
+    return (2e9, 7e-4) if torch.device(device).type == "cpu" else (25e9, 5e-5)
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(tree))
+
+
+def _batch_size(batch: Any) -> int:
+    for leaf in _leaves(batch):
+        if leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise PipelineConfigError("profile_model: the batch holds no tensor with a batch dimension; pass a collated batch.")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], prepare: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn(prepare())`` over ``repeats`` runs after one warmup."""
+    times = []
+    for i in range(repeats + 1):
+        arg = prepare()
+        _sync(device)
+        start = time.perf_counter()
+        fn(arg)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _detached_input(x: Any, needs_grad: bool) -> Any:
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        return t.requires_grad_(True) if needs_grad and t.is_floating_point() else t
+
+    return pytree.tree_map(leaf, x)
+
+
+def _grad_outputs(y: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    outs = [t for t in _leaves(y) if t.requires_grad]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeats: int,
+                   device: torch.device, samples: int) -> tuple[LayerProfile, Any]:
+    params = list(layer.parameters())
+    param_ptrs = {p.data_ptr() for p in params}
+    trainable = any(p.requires_grad for p in params)
+    inputs = lambda: _detached_input(x, needs_grad)  # noqa: E731
+
+    saved: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in param_ptrs:
+            saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(inputs())
+    forward = _timed(layer, inputs, repeats, device)
+    outs, grads = _grad_outputs(y)
+    backward = input_grad = 0.0
+    if outs:
+        def forward_for_backward() -> tuple[Any, list, list]:
+            xin = inputs()
+            o, g = _grad_outputs(layer(xin))
+            return xin, o, g
+
+        backward = _timed(lambda a: torch.autograd.backward(a[1], a[2]), forward_for_backward, repeats, device)
+        wanted = [t for t in _leaves(inputs()) if t.requires_grad]
+        if wanted and trainable:
+            def input_half(a: tuple[Any, list, list]) -> None:
+                needed = [t for t in _leaves(a[0]) if t.requires_grad]
+                torch.autograd.grad(a[1], needed, a[2], allow_unused=True)
+
+            input_grad = min(backward, _timed(input_half, forward_for_backward, repeats, device))
+        else:
+            input_grad = 0.0 if trainable else backward
+        for p in params:
+            p.grad = None
+    profile = LayerProfile(
+        name=name, forward_s=forward, backward_s=backward, input_grad_s=input_grad if outs else None,
+        param_bytes=sum(p.numel() * p.element_size() for p in params), trainable=trainable,
+        activation_bytes_per_sample=sum(saved.values()) / samples if trainable or needs_grad else 0.0,
+        input_bytes_per_sample=_nbytes(x) / samples, output_bytes_per_sample=_nbytes(y) / samples,
+    )
+    return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+
+
+def _materialise_layer(layer: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a meta-built layer real tensors; values only need to be plausible for timing."""
+    try:
+        materialize(layer, seed, device=device)
+    except PipelineConfigError:  # no reset_parameters(): random values are fine for timing
+        layer.to_empty(device=device)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0.0, 0.02)
+
+
+def profile_model(
+    lightning_module: nn.Module,
+    batch: Any,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    *,
+    topology: Optional[Mapping[str, Sequence[str]]] = None,
+    bandwidth_bytes_per_s: Optional[float] = None,
+    latency_s: Optional[float] = None,
+    seed: int = 0,
+) -> ModelProfile:
+    """Measure every layer of every module of ``lightning_module`` on ``batch``.
+
+    Args:
+        lightning_module: the model, with ``pipeline_inputs`` and one layer container per
+            module (``nn.Sequential`` / ``nn.ModuleList``, or any module run as one layer).
+            Modules built in ``configure_model()`` are built on the meta device here and
+            materialised one layer at a time.
+        batch: one collated batch; its leading dimension is the profiled batch size, and the
+            plans are for that global batch unless ``plan_placements(batch_size=...)`` says
+            otherwise.
+        device: where to measure (the target device).
+        repeats: timed runs per measurement (the median is kept), after one warmup.
+        topology: ``{module: [downstream]}``; default ``lightning_module.pipeline_topology``.
+        bandwidth_bytes_per_s, latency_s: the link between ranks; default
+            :func:`default_link` for ``device``.
+        seed: initialisation seed of meta-built layers.
+
+    Returns:
+        A :class:`~lightning_mmpp.plan.costs.ModelProfile`.
+    """
+    device = torch.device(device)
+    topology = topology if topology is not None else getattr(lightning_module, "pipeline_topology", None)
+    if topology is None:
+        raise PipelineConfigError(
+            f"profile_model: {type(lightning_module).__name__} has no pipeline_topology; declare it or pass "
+            "topology={module: [downstream modules]}."
+        )
+    topo = ModuleTopology(topology)
+    if any(getattr(lightning_module, m, None) is None for m in topo.order):
+        configure = getattr(lightning_module, "configure_model", None)
+        if callable(configure):
+            with torch.device("meta"):
+                configure()
+    frozen = [m for m in topo.order if isinstance(getattr(lightning_module, m, None), nn.Module)
+              and not any(p.requires_grad for p in getattr(lightning_module, m).parameters())]
+    no_backward = topo.no_backward_modules(frozen)
+    batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    samples = _batch_size(batch)
+    modules: dict[str, ModuleProfile] = {}
+    outputs: dict[str, Any] = {}
+    was_training = lightning_module.training
+    lightning_module.train()
+    try:
+        for module in topo.order:
+            container = _layer_container(lightning_module, module, pp=1)
+            names, layers = named_layers(container)
+            x = lightning_module.pipeline_inputs(module, batch, {u: outputs[u] for u in topo.upstream(module)})
+            profiled = []
+            for i, (name, layer) in enumerate(zip(names, layers)):
+                on_meta = has_meta_tensors(layer)
+                if on_meta:
+                    _materialise_layer(layer, device, seed)
+                else:
+                    layer.to(device)
+                needs_grad = module not in no_backward and not (i == 0 and not topo.upstream(module))
+                result, x = _profile_layer(name or module, layer, x, needs_grad, repeats, device, samples)
+                if module in no_backward:
+                    result.backward_s, result.input_grad_s = 0.0, None
+                profiled.append(result)
+                if on_meta:
+                    layer.to("meta")
+            outputs[module] = x
+            modules[module] = ModuleProfile(profiled)
+    finally:
+        lightning_module.train(was_training)
+    default_bw, default_latency = default_link(str(device))
+    ordered = {m: modules[m] for m in topology}
+    return ModelProfile(
+        modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
+        latency_s=default_latency if latency_s is None else latency_s, device=str(device),
+    )

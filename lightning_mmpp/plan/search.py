@@ -1,0 +1,648 @@
+"""Search placements for a profiled model: the fastest layouts that fit in memory (pure Python).
+
+A candidate is a set of *groups* (modules colocated on the same ranks, with one ``pp`` and
+``dp``), optional *attachments* (a ``pp=1`` module beside the first stage of its only
+downstream module, or the last stage of its only upstream one, with that module's dp), the
+microbatch count and the schedule. Split points balance each module's stages by measured time.
+``shard`` / ``recompute`` are switched on per module only where a rank would not fit in memory.
+
+Pruning: a rank runs all its microbatches, so a candidate's step takes at least the busiest
+rank's compute (its *busy bound*), plus the forward path before that rank can start and the
+backward path after it ends. Candidates are enumerated depth-first over the groups with that
+bound (a remaining group gets at most the ranks left), below a threshold that starts near the
+perfect balance ``total work / world_size`` and grows until the k best *simulated* plans are
+below it; candidates are simulated in order of their bound and skipped once the bound exceeds
+the k-th best step. The result is the same as simulating every candidate of the space
+(``exhaustive=True`` does that, for tests).
+
+Scoring: :func:`lightning_mmpp.schedule.build_schedule` and
+:func:`lightning_mmpp.simulator.simulate` (``mode="eager"``) with the per-stage costs of
+:class:`~lightning_mmpp.plan.costs.CostModel`, on the layout with every dp set to 1 (replicas
+are symmetric, so the timing is the same and the simulation much smaller); then the dp
+gradient sums after each stage's last backward; memory from the microbatches each unit held in
+flight in the simulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from lightning_mmpp.actions import Phase
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.plan.costs import CostModel, LayerProfile, ModelProfile, ModuleProfile
+from lightning_mmpp.schedule import SCHEDULES, PhaseCosts, build_schedule
+from lightning_mmpp.simulator import DeadlockError, simulate
+
+__all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
+
+MAX_MICROBATCHES = 128
+
+
+@dataclass
+class Plan:
+    """One proposed layout and what the simulator predicts for it.
+
+    ``placements`` and ``topology`` go to ``MultiModulePipelineStrategy`` as they are (see
+    :meth:`snippet`); ``peak_memory_bytes`` has one entry per rank.
+    """
+
+    placements: dict[str, ModulePlacement]
+    topology: dict[str, list[str]]
+    num_microbatches: int
+    schedule: str
+    step_time_s: float
+    peak_memory_bytes: tuple[float, ...]
+    bubble_fraction: float
+    batch_size: int
+    lower_bound_s: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.peak_memory_bytes)
+
+    @property
+    def max_memory_bytes(self) -> float:
+        return max(self.peak_memory_bytes)
+
+    def layout(self) -> PipelineLayout:
+        """The :class:`~lightning_mmpp.placement.PipelineLayout` of this plan."""
+        return PipelineLayout(self.placements, self.topology)
+
+    def describe(self) -> str:
+        """A compact one-line form, e.g. ``vision 1x2 @0 | audio 1x1 @2 | llm 2x1 @3 (4,)``."""
+        parts = []
+        for name, p in self.placements.items():
+            flags = "".join(f" {f}" for f in ("shard", "recompute") if getattr(p, f))
+            split = f" {list(p.split_points)}" if p.split_points else ""
+            parts.append(f"{name} {p.pp}x{p.dp} @{p.rank_offset}{split}{flags}")
+        return " | ".join(parts)
+
+    def snippet(self) -> str:
+        """Python code that builds the strategy for this plan."""
+        lines = ["from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy", "",
+                 "strategy = MultiModulePipelineStrategy(", "    placements={"]
+        for name, p in self.placements.items():
+            args = [f"pp={p.pp}", f"dp={p.dp}", f"rank_offset={p.rank_offset}"]
+            if p.split_points:
+                args.append(f"split_points={tuple(p.split_points)!r}")
+            args += [f"{f}=True" for f in ("shard", "recompute") if getattr(p, f)]
+            lines.append(f"        {name!r}: ModulePlacement({', '.join(args)}),")
+        lines += ["    },", f"    topology={self.topology!r},", f"    num_microbatches={self.num_microbatches},",
+                  f"    schedule={self.schedule!r},", ")",
+                  f"# Trainer(devices={self.world_size}, strategy=strategy), global batch {self.batch_size}: "
+                  f"predicted step {self.step_time_s * 1e3:.1f} ms, peak {format_bytes(self.max_memory_bytes)} per rank"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable summary."""
+        return {
+            "placements": {name: {"pp": p.pp, "dp": p.dp, "rank_offset": p.rank_offset,
+                                  "split_points": list(p.split_points) if p.split_points else None,
+                                  "shard": p.shard, "recompute": p.recompute}
+                           for name, p in self.placements.items()},
+            "topology": self.topology, "num_microbatches": self.num_microbatches, "schedule": self.schedule,
+            "step_time_s": self.step_time_s, "peak_memory_bytes": list(self.peak_memory_bytes),
+            "bubble_fraction": self.bubble_fraction, "batch_size": self.batch_size, "world_size": self.world_size,
+        }
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``-style text."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def plans_table(plans: Sequence[Plan]) -> str:
+    """A text table of plans, best first."""
+    rows = [("#", "step ms", "vs best", "bubble", "peak/rank", "m", "schedule", "layout (module pp x dp @first rank)")]
+    best = plans[0].step_time_s if plans else 1.0
+    for i, p in enumerate(plans):
+        rows.append((str(i + 1), f"{p.step_time_s * 1e3:.1f}", f"{p.step_time_s / best:.2f}x",
+                     f"{p.bubble_fraction:.0%}", format_bytes(p.max_memory_bytes), str(p.num_microbatches),
+                     p.schedule, p.describe()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# --- candidates -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Group:
+    modules: tuple[str, ...]
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class _Structure:
+    groups: tuple[_Group, ...]
+    beside: tuple[tuple[str, str, int], ...]  # (module, host module, host stage)
+    busy: float  # busiest rank's compute per step (seconds), the bound the enumeration uses
+
+
+@dataclass
+class _Space:
+    """Everything the enumeration needs about a profile, computed once."""
+
+    profile: ModelProfile
+    world_size: int
+    no_backward: frozenset[str]
+    order: tuple[str, ...]  # modules in topological order
+    upstream: dict[str, list[str]]
+    dp_options: tuple[int, ...]
+    memory_limit: Optional[float]
+    allow_shard: bool
+    splits: dict[tuple[str, int], list[range]] = field(default_factory=dict)
+    smallest_static: float = math.inf  # least static bytes of a shape rejected for memory
+
+    def work(self, module: str) -> list[float]:
+        """Seconds per sample of every layer (forward, plus backward when it trains)."""
+        layers = self.profile.modules[module].layers
+        trains = module not in self.no_backward
+        return [(layer.forward_s + (layer.backward_s if trains else 0.0)) / self.profile.profile_batch_size
+                for layer in layers]
+
+    def split(self, module: str, pp: int) -> list[range]:
+        key = (module, pp)
+        if key not in self.splits:
+            self.splits[key] = CostModel.split(self.profile, module, pp)
+        return self.splits[key]
+
+    def stage_work(self, module: str, pp: int) -> list[float]:
+        work = self.work(module)
+        return [sum(work[i] for i in r) for r in self.split(module, pp)]
+
+    def static_floor(self, module: str, pp: int, dp: int) -> list[float]:
+        """Smallest static bytes per stage of ``module`` at ``pp x dp`` (sharded when possible)."""
+        layers = self.profile.modules[module].layers
+        factor = self.profile.state_bytes_per_param_byte
+        out = []
+        for r in self.split(module, pp):
+            state = sum(layers[i].param_bytes * (factor if layers[i].trainable and module not in self.no_backward
+                                                 else 1.0) for i in r)
+            if self.allow_shard and dp > 1:
+                state = state / dp + max(layers[i].param_bytes for i in r)
+            out.append(state)
+        return out
+
+
+def _set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _set_partitions(rest):
+        yield [(first,), *partition]
+        for i in range(len(partition)):
+            yield [*partition[:i], (first, *partition[i]), *partition[i + 1:]]
+
+
+def _groupings(space: _Space, colocate: bool) -> Iterator[tuple[list[tuple[str, ...]], dict[str, tuple[str, str]]]]:
+    """``(groups of modules, {attached module: (host, "first" | "last")})`` choices."""
+    topo = space.profile.topology
+    attachable: dict[str, list[tuple[str, str]]] = {}
+    if colocate:
+        for module in space.order:
+            hosts = []
+            if len(topo[module]) == 1:
+                hosts.append((topo[module][0], "first"))
+            if len(space.upstream[module]) == 1:
+                hosts.append((space.upstream[module][0], "last"))
+            if hosts:
+                attachable[module] = hosts
+    names = list(attachable)
+    choices = [[None, *attachable[n]] for n in names]
+    seen = set()
+    for picks in itertools.product(*choices):
+        beside = {n: pick for n, pick in zip(names, picks) if pick is not None}
+        if any(host in beside for host, _ in beside.values()):
+            continue
+        rest = [m for m in space.order if m not in beside]
+        if not rest:
+            continue
+        partitions = _set_partitions(rest) if colocate else iter([[(m,) for m in rest]])
+        for groups in partitions:
+            key = (tuple(sorted(groups)), tuple(sorted(beside.items())))
+            if key not in seen:
+                seen.add(key)
+                yield groups, beside
+
+
+def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, tuple[str, str]],
+                   uniform_pp: Optional[int]) -> list[tuple[int, int, float]]:
+    """``(pp, dp, busy seconds per step)`` of every feasible shape of a group."""
+    profile = space.profile
+    max_pp = min(len(profile.modules[m].layers) for m in modules)
+    options = []
+    for pp in range(1, min(max_pp, space.world_size) + 1):
+        if uniform_pp is not None and pp != uniform_pp:
+            continue
+        per_stage = [0.0] * pp
+        for m in modules:
+            for s, w in enumerate(space.stage_work(m, pp)):
+                per_stage[s] += w
+        for m, (host, where) in attached.items():
+            if host in modules:
+                per_stage[0 if where == "first" else pp - 1] += sum(space.work(m))
+        for dp in space.dp_options:
+            if pp * dp > space.world_size:
+                break
+            if space.memory_limit is not None:
+                static = [0.0] * pp
+                for m in modules:
+                    for st, b in enumerate(space.static_floor(m, pp, dp)):
+                        static[st] += b
+                for m, (host, where) in attached.items():
+                    if host in modules:
+                        static[0 if where == "first" else pp - 1] += space.static_floor(m, 1, dp)[0]
+                if max(static) > space.memory_limit:
+                    space.smallest_static = min(space.smallest_static, max(static))
+                    continue
+            options.append((pp, dp, max(per_stage) * profile.batch_size / dp))
+    return options
+
+
+def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) -> Iterator[_Structure]:
+    """Every structure whose busy bound is below ``threshold`` (depth-first, with bounds)."""
+    world = space.world_size
+    for groups, attached in _groupings(space, colocate):
+        pps = range(1, world + 1) if uniform else [None]
+        for uniform_pp in pps:
+            options = [_group_options(space, g, attached, uniform_pp) for g in groups]
+            if any(not o for o in options):
+                continue
+            # best[j][r]: least busy of group j with at most r ranks
+            best = []
+            for opts in options:
+                row = [math.inf] * (world + 1)
+                for pp, dp, busy in opts:
+                    row[pp * dp] = min(row[pp * dp], busy)
+                for r in range(1, world + 1):
+                    row[r] = min(row[r], row[r - 1])
+                best.append(row)
+            n = len(groups)
+            chosen: list[tuple[int, int, float]] = []
+
+            def dfs(j: int, left: int, bound: float) -> Iterator[_Structure]:
+                if j == n:
+                    if left == 0:
+                        beside = tuple((m, h, where) for m, (h, where) in attached.items())
+                        yield _Structure(tuple(_Group(g, pp, dp) for g, (pp, dp, _) in zip(groups, chosen)),
+                                         _resolve_beside(beside, groups, chosen), bound)
+                    return
+                remaining = n - j - 1
+                for pp, dp, busy in options[j]:
+                    size = pp * dp
+                    rest = left - size
+                    if rest < remaining or (remaining == 0 and rest != 0):
+                        continue
+                    b = max(bound, busy)
+                    if remaining:
+                        b = max(b, max(best[k][rest - remaining + 1] for k in range(j + 1, n)))
+                    if b >= threshold:
+                        continue
+                    chosen.append((pp, dp, busy))
+                    yield from dfs(j + 1, rest, b)
+                    chosen.pop()
+
+            yield from dfs(0, world, 0.0)
+
+
+def _resolve_beside(beside: tuple[tuple[str, str, str], ...], groups: list[tuple[str, ...]],
+                    chosen: list[tuple[int, int, float]]) -> tuple[tuple[str, str, int], ...]:
+    pp_of = {m: pp for g, (pp, _, _) in zip(groups, chosen) for m in g}
+    return tuple((m, host, 0 if where == "first" else pp_of[host] - 1) for m, host, where in beside)
+
+
+def _placements(space: _Space, structure: _Structure, collapse: bool = False,
+                flags: Optional[dict[str, tuple[bool, bool]]] = None) -> dict[str, ModulePlacement]:
+    """The placements of a structure (every dp 1 with ``collapse``), in declaration order."""
+    flags = flags or {}
+    by_module: dict[str, ModulePlacement] = {}
+    cursor = 0
+    groups = sorted(structure.groups, key=lambda g: min(space.order.index(m) for m in g.modules))
+    for group in groups:
+        dp = 1 if collapse else group.dp
+        for m in group.modules:
+            split = tuple(r.start for r in space.split(m, group.pp)[1:]) or None
+            shard, recompute = flags.get(m, (False, False))
+            by_module[m] = ModulePlacement(pp=group.pp, dp=dp, rank_offset=cursor, split_points=split,
+                                           shard=shard and not collapse, recompute=recompute)
+        cursor += group.pp * dp
+    for m, host, stage in structure.beside:
+        h = by_module[host]
+        shard, recompute = flags.get(m, (False, False))
+        by_module[m] = ModulePlacement(pp=1, dp=h.dp, rank_offset=h.rank_offset + stage * h.dp,  # type: ignore[operator]
+                                       shard=shard and not collapse and h.dp > 1, recompute=recompute)
+    return {m: by_module[m] for m in space.profile.modules}
+
+
+def _lcm(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _dp_ok(placements: dict[str, ModulePlacement], topology: dict[str, list[str]]) -> bool:
+    for up, downs in topology.items():
+        for down in downs:
+            a, b = placements[up].dp, placements[down].dp
+            if max(a, b) % min(a, b):
+                return False
+    return True
+
+
+def _path_bound(cost: CostModel, layout: PipelineLayout) -> float:
+    """Busy + forward path before + backward path after, maximised over ranks (a lower bound)."""
+    topo = layout.topology
+    head: dict[tuple[str, int], float] = {}
+    tail: dict[tuple[str, int], float] = {}
+    for module in topo.order:
+        for s in range(cost.placements[module].pp):
+            if s > 0:
+                preds = [(module, s - 1)]
+            else:
+                preds = [(u, cost.placements[u].pp - 1) for u in topo.upstream(module)]
+            head[(module, s)] = max((head[p] + cost.forward(*p) for p in preds), default=0.0)
+            tail[(module, s)] = max((tail[p] + cost.backward(*p) for p in preds), default=0.0)
+    bound = 0.0
+    for rank in range(layout.world_size):
+        slots = layout.slots(rank)
+        busy = sum(cost.m * (cost.forward(s.module, s.stage) + cost.backward(s.module, s.stage)) for s in slots)
+        bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots)
+                    + min(tail[(s.module, s.stage)] for s in slots))
+    return bound
+
+
+class _Evaluator:
+    """Flags, bounds and simulation of candidates, with a schedule cache."""
+
+    def __init__(self, space: _Space, allow_recompute: bool) -> None:
+        self.space = space
+        self.allow_recompute = allow_recompute
+        self.schedules: dict = {}
+        self.smallest_peak: Optional[tuple[float, str]] = None
+
+    def choose_flags(self, structure: _Structure, m: int, schedule: str) -> Optional[tuple[dict, CostModel, float]]:
+        """The fewest shard / recompute flags under which every rank fits (analytically), the
+        cost model and its lower bound; ``None`` when nothing fits."""
+        space = self.space
+        flags: dict[str, tuple[bool, bool]] = {name: (False, False) for name in space.profile.modules}
+        topology = space.profile.topology
+        while True:
+            placements = _placements(space, structure, flags=flags)
+            cost = CostModel(space.profile, placements, m, space.no_backward)
+            layout = PipelineLayout(placements, topology)
+            if space.memory_limit is None:
+                return flags, cost, _path_bound(cost, layout)
+            inflight = {(r, s.module): cost.inflight_bound(layout, s.module, s.stage, schedule)
+                        for r in range(layout.world_size) for s in layout.slots(r)}
+            peaks = cost.peak_memory(layout, inflight)
+            worst = max(range(len(peaks)), key=peaks.__getitem__)
+            if peaks[worst] <= space.memory_limit:
+                return flags, cost, _path_bound(cost, layout)
+            upgraded = self._upgrade(flags, layout, cost, worst, schedule)
+            if not upgraded:
+                self._note_peak(peaks[worst], placements)
+                return None
+
+    def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int, schedule: str) -> bool:
+        """Switch on the flag that saves the most bytes on ``rank``; False when none is left."""
+        best = None
+        for slot in layout.slots(rank):
+            shard, recompute = flags[slot.module]
+            stage = cost.stage(slot.module, slot.stage)
+            dp = cost.placements[slot.module].dp
+            if not shard and self.space.allow_shard and dp > 1 and schedule != "zero_bubble":
+                saving = stage.static_bytes * (1 - 1 / dp)
+                if best is None or saving > best[0]:
+                    best = (saving, slot.module, (True, recompute))
+            if not recompute and self.allow_recompute and slot.module not in self.space.no_backward:
+                saving = stage.activation_bytes  # at least one microbatch's worth
+                if best is None or saving > best[0]:
+                    best = (saving, slot.module, (shard, True))
+        if best is None:
+            return False
+        flags[best[1]] = best[2]
+        return True
+
+    def _note_peak(self, peak: float, placements: dict[str, ModulePlacement]) -> None:
+        if self.smallest_peak is None or peak < self.smallest_peak[0]:
+            desc = ", ".join(f"{n} {p.pp}x{p.dp}{' shard' if p.shard else ''}{' recompute' if p.recompute else ''}"
+                             for n, p in placements.items())
+            self.smallest_peak = (peak, desc)
+
+    def simulate(self, structure: _Structure, m: int, schedule: str, flags: dict, cost: CostModel,
+                 bound: float) -> Optional[Plan]:
+        space = self.space
+        topology = space.profile.topology
+        placements = cost.placements
+        layout = PipelineLayout(placements, topology)
+        small = PipelineLayout(_placements(space, structure, collapse=True, flags=flags), topology)
+        key = (tuple(sorted((n, p.pp, p.rank_offset) for n, p in small.placements.items())), m, schedule)
+        if schedule == "zero_bubble":
+            stages = [cost.stage(n, s) for n, p in placements.items() for s in range(p.pp) if n not in space.no_backward]
+            mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
+                    zip(*[(c.forward_s, c.input_s, c.weight_s) for c in stages])] if stages else [1.0, 1.0, 1.0]
+            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward,
+                                   costs=PhaseCosts(*mean))
+        else:
+            built = self.schedules.get(key)
+            if built is None:
+                built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward)
+                self.schedules[key] = built
+        try:
+            result = simulate(built, small, cost.forward, cost.backward, mode="eager", latency=0.0,
+                              input_cost=cost.input, weight_cost=cost.weight)
+        except DeadlockError:
+            return None
+        last_backward: dict[tuple[int, str], float] = {}
+        held: dict[tuple[int, str], int] = {}
+        peak_held: dict[tuple[int, str], int] = {}
+        for rank, start, end, action in sorted(result.computes, key=lambda c: c[1]):
+            unit = (rank, action.module)
+            if action.module in space.no_backward:
+                continue
+            if action.phase is Phase.FORWARD:
+                held[unit] = held.get(unit, 0) + 1
+                peak_held[unit] = max(peak_held.get(unit, 0), held[unit])
+            elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
+                held[unit] = held.get(unit, 0) - 1
+                last_backward[unit] = max(last_backward.get(unit, 0.0), end)
+        step = result.step_time
+        for (rank, module), end in last_backward.items():
+            step = max(step, end + cost.stage(module, small.slot(rank, module).stage).sync_s)
+        inflight = {}
+        weights = []
+        for rank in range(layout.world_size):
+            for slot in layout.slots(rank):
+                inflight[(rank, slot.module)] = peak_held.get((small.rank_of(slot.module, slot.stage, 0), slot.module), 0)
+        for rank in range(small.world_size):
+            weights.append(placements[small.slots(rank)[0].module].dp)
+        peaks = cost.peak_memory(layout, inflight)
+        if space.memory_limit is not None and max(peaks) > space.memory_limit:
+            self._note_peak(max(peaks), placements)
+            return None
+        busy = sum(w * b for w, b in zip(weights, result.busy))
+        bubble = 1.0 - busy / (step * layout.world_size) if step > 0 else 0.0
+        return Plan(placements=dict(placements), topology={k: list(v) for k, v in topology.items()},
+                    num_microbatches=m, schedule=schedule, step_time_s=step, peak_memory_bytes=tuple(peaks),
+                    bubble_fraction=bubble, batch_size=space.profile.batch_size, lower_bound_s=bound)
+
+
+def _plan_key(plan: Plan) -> tuple:
+    return tuple(sorted(plan.placements.items())), plan.num_microbatches, plan.schedule
+
+
+def _microbatch_options(batch: int, lcm_dp: int, given: Optional[int]) -> list[int]:
+    if given is not None:
+        return [given] if batch % (given * lcm_dp) == 0 else []
+    if batch % lcm_dp:
+        return []
+    return [m for m in _divisors(batch // lcm_dp) if m <= MAX_MICROBATCHES]
+
+
+def plan_placements(
+    profile: ModelProfile,
+    world_size: int,
+    num_microbatches: Optional[int] = None,
+    memory_limit_bytes: Optional[float] = None,
+    schedules: Sequence[str] = ("1f1b",),
+    top_k: int = 5,
+    *,
+    batch_size: Optional[int] = None,
+    allow_colocation: bool = True,
+    allow_shard: bool = True,
+    allow_recompute: bool = True,
+    uniform: bool = False,
+    exhaustive: bool = False,
+) -> list[Plan]:
+    """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
+
+    Args:
+        profile: measured costs (:func:`lightning_mmpp.plan.profile_model` or a JSON file).
+        world_size: ranks the plan must use, all of them.
+        num_microbatches: fixed microbatch count; ``None`` tries every divisor of the batch
+            (up to 128) that the dp sizes allow.
+        memory_limit_bytes: the most a rank may hold; plans predicted above it are rejected.
+        schedules: schedule names to try (``"1f1b"``, ``"gpipe"``, ``"zero_bubble"``).
+        top_k: how many plans to return.
+        batch_size: global batch per step (default: ``profile.batch_size``).
+        allow_colocation: also try modules sharing ranks (same pp / dp / offset, or a pp=1
+            module beside its neighbour's first or last stage).
+        allow_shard, allow_recompute: may switch on ``shard`` / ``recompute`` where memory needs it.
+        uniform: only layouts where every module has the same pp and no colocation (a baseline).
+        exhaustive: simulate every candidate instead of pruning by bounds (for checks).
+
+    Raises:
+        PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
+            the smallest predicted peak and what would fit).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PipelineConfigError(f"world_size={world_size!r}: give the number of ranks, an integer >= 1.")
+    for name in schedules:
+        if name not in SCHEDULES:
+            raise PipelineConfigError(f"unknown schedule {name!r}; choose from {list(SCHEDULES)}.")
+    if batch_size is not None:
+        profile = replace(profile, batch_size=batch_size)
+    layout_topology = PipelineLayout({m: ModulePlacement() for m in profile.modules}, profile.topology).topology
+    upstream = {m: list(layout_topology.upstream(m)) for m in profile.modules}
+    space = _Space(profile=profile, world_size=world_size,
+                   no_backward=layout_topology.no_backward_modules(profile.frozen_modules()),
+                   order=layout_topology.order, upstream=upstream,
+                   dp_options=tuple(d for d in _divisors(profile.batch_size) if d <= world_size),
+                   memory_limit=memory_limit_bytes, allow_shard=allow_shard)
+    evaluator = _Evaluator(space, allow_recompute)
+    total = sum(sum(space.work(m)) for m in profile.modules) * profile.batch_size
+    perfect = total / world_size
+    best: list[Plan] = []
+    evaluated: set = set()
+    seen_plans: set = set()
+    factors = [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]
+    for factor in factors:
+        threshold = perfect * factor
+        candidates = []
+        for structure in _structures(space, threshold, allow_colocation and not uniform, uniform):
+            placements = _placements(space, structure)
+            if not _dp_ok(placements, profile.topology):
+                continue
+            lcm_dp = _lcm([p.dp for p in placements.values()])
+            for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
+                for schedule in schedules:
+                    key = (structure.groups, structure.beside, m, schedule)
+                    if key in evaluated:
+                        continue
+                    evaluated.add(key)
+                    chosen = evaluator.choose_flags(structure, m, schedule)
+                    if chosen is not None:
+                        candidates.append((chosen[2], len(candidates), structure, m, schedule, chosen))
+        candidates.sort(key=lambda c: c[:2])
+        for bound, _, structure, m, schedule, (flags, cost, _) in candidates:
+            if not exhaustive and len(best) >= top_k and bound >= best[top_k - 1].step_time_s:
+                break
+            plan = evaluator.simulate(structure, m, schedule, flags, cost, bound)
+            if plan is not None and _plan_key(plan) not in seen_plans:
+                seen_plans.add(_plan_key(plan))
+                best.append(plan)
+                best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
+        if len(best) >= top_k and best[top_k - 1].step_time_s <= threshold:
+            break
+    if not best:
+        _raise_nothing_fits(space, evaluator, memory_limit_bytes, world_size)
+    return best[:top_k]
+
+
+def _raise_nothing_fits(space: _Space, evaluator: _Evaluator, limit: Optional[float], world_size: int) -> None:
+    profile = space.profile
+    if limit is None:
+        raise PipelineConfigError(
+            f"no placement of modules {list(profile.modules)} fits {world_size} rank(s) with a global batch of "
+            f"{profile.batch_size}: every module needs at least one rank and the dp sizes must divide the batch. "
+            "Use more ranks or a batch divisible by more dp sizes."
+        )
+    state = sum(layer.param_bytes * (profile.state_bytes_per_param_byte if layer.trainable and m not in
+                                     space.no_backward else 1.0)
+                for m, mod in profile.modules.items() for layer in mod.layers)
+    ranks_needed = max(world_size + 1, math.ceil(state / limit))
+    if evaluator.smallest_peak is not None:
+        least, desc = evaluator.smallest_peak
+        seen = f"the smallest predicted peak is {format_bytes(least)} per rank ({desc})"
+    else:
+        least = space.smallest_static if space.smallest_static < math.inf else state
+        seen = (f"every layout needs at least {format_bytes(least)} on some rank for parameters, gradients and "
+                "optimizer state alone")
+    levers = "with shard=True (dp >= 2) and recompute=True already tried" if space.allow_shard else \
+        "allow shard=True (dp >= 2) to split parameters and optimizer state"
+    raise PipelineConfigError(
+        f"no placement on {world_size} rank(s) fits memory_limit {format_bytes(limit)}: {seen}, {levers}. "
+        f"Raise the limit to at least {format_bytes(least)}, use more ranks (parameters, gradients and optimizer "
+        f"state total {format_bytes(state)}: at least {ranks_needed} ranks at this limit), fewer samples per "
+        "microbatch (a smaller batch or more microbatches), or a smaller model."
+    )
+
+
+def chain_profile(profile: ModelProfile, name: str = "chain") -> ModelProfile:
+    """The model as one chain of layers in topological order (parallel modules run one after
+    the other): the only layout a single-chain pipeline such as ``torch.distributed.pipelining``
+    can run. A baseline for the planner."""
+    order = PipelineLayout({m: ModulePlacement() for m in profile.modules}, profile.topology).topology.order
+    layers = [replace(layer, name=f"{m}.{layer.name}") for m in order for layer in profile.modules[m].layers]
+    for i, layer in enumerate(layers[:-1]):  # a stage boundary carries what every later module still needs
+        layers[i] = replace(layer, output_bytes_per_sample=max(layer.output_bytes_per_sample,
+                                                               layers[i + 1].input_bytes_per_sample))
+    return replace(profile, modules={name: ModuleProfile(layers)}, topology={name: []})
+
