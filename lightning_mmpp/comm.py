@@ -136,6 +136,9 @@ class _Outgoing:
 class _Incoming:
     """A message from a remote peer, received part by part over one or more rounds."""
 
+    peer: int
+    done: bool
+
     def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...]) -> None:
         self.key = key
         self.peer = peer
@@ -254,6 +257,18 @@ class _Origin(enum.Enum):
     REMOTE = "remote"  # an :class:`_Incoming` message from another rank
 
 
+@dataclass
+class _Group:
+    """The messages one :meth:`MultiModuleCommunicator.post` receives from one peer: posted
+    together, completed together (round by round while a changed spec needs more parts)."""
+
+    peer: int
+    messages: list[_Incoming]
+    current: list[_Incoming]  # the messages whose part is posted in the current round
+    works: list[Any]  # the receive works of the current round
+    done: bool = False
+
+
 # One source of a received message: (READY, payload) or (REMOTE, _Incoming).
 _Source = Union[tuple[_Origin, Any], tuple[_Origin, _Incoming]]
 
@@ -294,6 +309,9 @@ class MultiModuleCommunicator:
         # Same-rank handovers waiting to be picked up (a same-rank peer is never a fan-in/out).
         self._mailbox: dict[MessageKey, Any] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+        # Receives posted and not taken: key -> (its sources, the groups its remote parts are in).
+        self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[_Group]]] = {}
+        self._open: dict[int, _Group] = {}  # peer -> its posted group not yet complete
 
     # --- public API ----------------------------------------------------------------------
 
@@ -312,7 +330,30 @@ class MultiModuleCommunicator:
         * backward recv ``(backward, u, d, k)``: the gradient w.r.t. the payload sent by forward
           send ``(forward, u, d, k)``: tensors where the leaf required grad, ``None`` elsewhere.
         """
+        recvs = list(recvs)
         self.wait_sends()
+        self.post(sends, recvs)
+        return {key: self.take(key) for key in recvs}
+
+    def post(self, sends: Mapping[MessageKey, Any], recvs: Iterable[MessageKey]) -> None:
+        """Post ``sends`` and ``recvs`` (the contract of :meth:`exchange`) without waiting for them.
+
+        Sends are packed and handed to the backend at once; they complete in the background
+        (:meth:`wait_sends` waits for them). Receives are posted in the same batch as the sends
+        and completed by :meth:`take`, where their payload is needed, so the transfer runs
+        while this rank computes. A receive from a peer that still has a posted, unfinished
+        group of messages to this rank first finishes that group: a message whose spec changed
+        needs further parts, and per-pair in-order matching must see them before anything later.
+        """
+        recvs = list(recvs)
+        # A peer's earlier group must be whole first: its messages may carry the spec this
+        # batch's receives are planned with, and nothing later from that peer may be posted
+        # while parts of it are still to come.
+        for key in recvs:
+            _, peers = self._sources(key) if key.direction == FORWARD else self._targets(key)
+            for peer in peers:
+                if peer.rank in self._open:
+                    self._complete(self._open[peer.rank])
         # Planning validates every payload and may raise; it must then leave no trace, so that
         # an error surfaces before any message is posted and with the caches still consistent.
         saved = (dict(self._send_cache), dict(self._sent), dict(self._received), dict(self._mailbox),
@@ -327,23 +368,37 @@ class MultiModuleCommunicator:
                 else:
                     self._plan_backward_send(key, payload, outgoing)
             for key in recvs:
+                if key in self._inbox:
+                    raise RuntimeError(f"rank {self.rank}: '{_describe(key)}' is posted twice without a take()")
                 sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
                 pending.append((key, sources))
                 incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
         except BaseException:
             self._send_cache, self._sent, self._received, self._mailbox, self.stats = saved
             raise
-        self._run_rounds(outgoing, incoming)
-        results: dict[MessageKey, Any] = {}
+        groups = self._post_batch(outgoing, incoming)
         for key, sources in pending:
-            if key.direction == FORWARD:
-                results[key] = self._finish_forward_recv(key, sources)
-            else:
-                results[key] = self._finish_backward_recv(key, sources)
-        return results
+            peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
+            self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
+
+    def take(self, key: MessageKey) -> Any:
+        """The payload of a receive posted by :meth:`post`, waiting for it if it has not arrived."""
+        try:
+            sources, groups = self._inbox.pop(key)
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: take('{_describe(key)}') without a post() of it") from None
+        for group in groups:
+            self._complete(group)
+        if key.direction == FORWARD:
+            return self._finish_forward_recv(key, sources)
+        return self._finish_backward_recv(key, sources)
+
+    def posted(self) -> list[MessageKey]:
+        """Receives posted and not taken yet."""
+        return list(self._inbox)
 
     def wait_sends(self) -> None:
-        """Wait for the send works still in flight from the previous exchange and free their buffers.
+        """Wait for the send works still in flight and free their buffers.
 
         :meth:`exchange` calls it first thing; call it yourself at the end of a step or before the
         process group is destroyed, so that no send is abandoned when a process exits.
@@ -351,6 +406,11 @@ class MultiModuleCommunicator:
         pending, self._pending_sends = self._pending_sends, []
         for work, _buffer in pending:
             work.wait()
+
+    def drop_transfers(self) -> None:
+        """Forget every send and receive in flight (after a failure: the works hold the process
+        group, which must be able to close)."""
+        self._pending_sends, self._inbox, self._open = [], {}, {}
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
@@ -555,20 +615,38 @@ class MultiModuleCommunicator:
 
     # --- the rounds --------------------------------------------------------------------
 
-    def _run_rounds(self, outgoing: list[_Outgoing], incoming: list[_Incoming]) -> None:
+    def _check_initialised(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"rank {self.rank} must exchange messages with other ranks but torch.distributed is not "
+                "initialised; initialise the process group before the first exchange."
+            )
+
+    def _post_batch(self, outgoing: list[_Outgoing], incoming: list[_Incoming]) -> dict[int, "_Group"]:
+        """Post every part of ``outgoing`` and the first part of ``incoming``; return the new
+        receive groups by peer.
+
+        Round ``r`` of a batch holds the ``r``-th part of every message that has one, in
+        canonical order; the receiving end asks for its parts in the same rounds (see
+        :meth:`_complete`), so per-pair in-order matching pairs the same buffers on both ends.
+        Sends of later rounds are posted right away: nothing on this end waits for them.
+        """
+        if not outgoing and not incoming:
+            return {}
+        self._check_initialised()
+        # sends the peers have taken: free their buffers (the rest stay until wait_sends)
+        self._pending_sends = [(w, b) for w, b in self._pending_sends if not w.is_completed()]
         outgoing = sorted(outgoing, key=lambda m: m.order)
         incoming = sorted(incoming, key=lambda m: m.order)
-        round_index = 0
-        while True:
+        by_peer: dict[int, list[_Incoming]] = {}
+        for msg in incoming:
+            by_peer.setdefault(msg.peer, []).append(msg)
+        assert not by_peer.keys() & self._open.keys(), "post() completes a peer's open group first"
+        rounds = max((len(m.parts) for m in outgoing), default=1)
+        groups: dict[int, _Group] = {}
+        for round_index in range(rounds):
             sends = [m for m in outgoing if round_index < len(m.parts)]
-            recvs = [m for m in incoming if not m.done]
-            if not sends and not recvs:
-                return
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    f"rank {self.rank} must exchange messages with other ranks but torch.distributed is not "
-                    "initialised; initialise the process group before the first exchange."
-                )
+            recvs = incoming if round_index == 0 else []
             ops: list[dist.P2POp] = []
             for msg in sends:
                 buffer = msg.parts[round_index]
@@ -576,23 +654,43 @@ class MultiModuleCommunicator:
                 self.stats.messages_sent += 1
                 self.stats.bytes_sent += buffer.numel() * buffer.element_size()
             for msg in recvs:
-                buffer = msg.next_buffer(self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, msg.peer, self.group))
-                self.stats.messages_received += 1
-                self.stats.bytes_received += buffer.numel() * buffer.element_size()
+                ops.append(self._recv_op(msg))
             works = dist.batch_isend_irecv(ops)
             self.stats.rounds += 1
-            if len(works) == len(ops):  # one work per op (gloo): keep the sends in flight
-                for work in works[len(sends):]:
-                    work.wait()
-                self._pending_sends.extend(
-                    (work, msg.parts[round_index]) for work, msg in zip(works[: len(sends)], sends)
-                )
+            if len(works) == len(ops):  # one work per op (gloo)
+                self._pending_sends.extend((w, m.parts[round_index]) for w, m in zip(works[: len(sends)], sends))
+                recv_works = works[len(sends):]
+                for peer, msgs in by_peer.items() if recvs else ():
+                    mine = [w for w, m in zip(recv_works, recvs) if m.peer == peer]
+                    groups[peer] = _Group(peer, msgs, list(msgs), mine)
             else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
-                for work in works:
-                    work.wait()
-            self._advance(recvs)
-            round_index += 1
+                self._pending_sends.extend((w, None) for w in works)
+                for peer, msgs in by_peer.items() if recvs else ():
+                    groups[peer] = _Group(peer, msgs, list(msgs), list(works))
+        self._open.update(groups)
+        return groups
+
+    def _recv_op(self, msg: _Incoming) -> dist.P2POp:
+        buffer = msg.next_buffer(self.device)
+        self.stats.messages_received += 1
+        self.stats.bytes_received += buffer.numel() * buffer.element_size()
+        return dist.P2POp(dist.irecv, buffer, msg.peer, self.group)
+
+    def _complete(self, group: "_Group") -> None:
+        """Wait for ``group``'s current round, read its headers, and run the further rounds a
+        changed spec needs (length, spec, new data), until every message in it is whole."""
+        while not group.done:
+            for work in group.works:
+                work.wait()
+            self._advance(group.current)
+            group.current = [m for m in group.messages if not m.done]
+            if not group.current:
+                group.done, group.works = True, []
+                if self._open.get(group.peer) is group:
+                    del self._open[group.peer]
+                return
+            group.works = dist.batch_isend_irecv([self._recv_op(m) for m in group.current])
+            self.stats.rounds += 1
 
     def _advance(self, recvs: Sequence[_Incoming]) -> None:
         views = [m.scalars() for m in recvs]

@@ -327,7 +327,7 @@ def drop_transfer_references(exception: BaseException, comm: Any) -> None:
     import traceback
 
     if comm is not None:
-        comm._pending_sends = []
+        comm.drop_transfers()
     tb = exception.__traceback__
     if tb is not None:
         traceback.clear_frames(tb)

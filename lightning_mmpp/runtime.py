@@ -82,6 +82,10 @@ class _NoGradientSync:
 class Communicator(Protocol):
     def exchange(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> dict[MessageKey, Any]: ...
 
+    def post(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> None: ...
+
+    def take(self, key: MessageKey) -> Any: ...
+
 
 @dataclass
 class StepResult:
@@ -293,6 +297,10 @@ class PipelineRuntime:
         hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
         no_backward_modules: modules that run no backward (see
             :meth:`~lightning_mmpp.placement.PipelineLayout.no_backward_modules`).
+        overlap: an exchange posts its transfers and returns; a compute waits only for the
+            receives it consumes (its inputs, its output gradients), so transfers run beside
+            the computes in between. ``False``: every exchange waits for its receives (and its
+            previous sends) before the next action, for comparison.
     """
 
     def __init__(
@@ -306,7 +314,9 @@ class PipelineRuntime:
         no_backward_modules: frozenset[str] = frozenset(),
         failures: FailureBoard | None = None,
         gradient_sync: GradientSync | None = None,
+        overlap: bool = True,
     ) -> None:
+        self.overlap = overlap
         self.gradient_sync = gradient_sync if gradient_sync is not None else _NoGradientSync()
         self.no_backward_modules = frozenset(no_backward_modules)
         self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
@@ -372,6 +382,7 @@ class PipelineRuntime:
                 raise
         for module in finished:
             self.gradient_sync.after_last_backward(module)
+        assert not step.posted, f"receives posted and never consumed: {step.posted}"
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 
@@ -393,19 +404,44 @@ class PipelineRuntime:
         recv_keys = list(dict.fromkeys(t.key for t in action.recvs))
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
-                got = self.comm.exchange(sends, recv_keys)
+                if self.overlap:
+                    self.comm.post(sends, recv_keys)
+                else:
+                    got = self.comm.exchange(sends, recv_keys)
             except RuntimeError as err:  # a peer failed, died or timed out: name the root cause
                 transfers = action.sends + action.recvs
                 peers = {t.peer for t in transfers}
                 raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
+        if self.overlap:
+            for t in action.recvs:
+                step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
+            return
         for key, payload in got.items():
-            if key.direction is Direction.FORWARD:
-                step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
-            else:
-                step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+            self._store(step, key, payload)
+
+    @staticmethod
+    def _store(step: "_StepState", key: MessageKey, payload: Any) -> None:
+        if key.direction is Direction.FORWARD:
+            step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
+        else:
+            step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+
+    def _take(self, step: "_StepState", module: str, k: int, direction: Direction) -> None:
+        """Wait for the receives posted for ``(module, k)`` in ``direction`` (overlap mode)."""
+        keys = step.posted.pop((module, k, direction), None)
+        if not keys:
+            return
+        with self.tracer.span("wait", "comm", microbatch=k):
+            for key, peer in keys.items():
+                try:
+                    payload = self.comm.take(key)
+                except RuntimeError as err:
+                    raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
+                self._store(step, key, payload)
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
+        self._take(step, module, k, Direction.FORWARD)
         inputs = step.received.get((module, k), {})
         if stage.stage == 0:
             upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
@@ -462,6 +498,7 @@ class PipelineRuntime:
 
     def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
+        self._take(step, module, k, Direction.BACKWARD)
         if module in self.loss_stages:
             step.outputs.pop((module, k), None)
             loss = step.losses.pop((module, k))
@@ -473,6 +510,7 @@ class PipelineRuntime:
 
     def _backward_input(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
+        self._take(step, module, k, Direction.BACKWARD)
         pieces = step.pieces[(module, k)]
         if module in self.loss_stages:
             step.outputs.pop((module, k), None)
@@ -540,6 +578,13 @@ class PipelineRuntime:
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
 
 
+def _consumer(key: MessageKey) -> tuple[str, int, Direction]:
+    """The compute that needs a received message: the forward of its destination module, or
+    the backward of its source module (the gradient of that module's output)."""
+    module = key.dst_module if key.direction is Direction.FORWARD else key.src_module
+    return (module, key.microbatch, key.direction)
+
+
 @dataclass
 class _StepState:
     """Everything one step holds between actions; emptied as backwards run."""
@@ -558,4 +603,6 @@ class _StepState:
     losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss
     out_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (module, k) -> {consumer: grad}
     in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
+    # receives posted and not taken yet: (consumer module, k, direction) -> {key: peer}
+    posted: dict[tuple[str, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
     pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph
