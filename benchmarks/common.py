@@ -91,6 +91,35 @@ class SplitSleepStage(nn.Module):
         return Sleep.apply(x, self.tf, self.ti) * SleepOnBackward.apply(self.scale, self.tw)
 
 
+class PassThrough(torch.autograd.Function):
+    """Hands its input on untouched (no copy) after sleeping ``tf``; its backward sleeps ``tb``
+    and gives ``scale`` a zero gradient: a stage whose cost is its sleep whatever the payload size."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
+        ctx.tb = tb
+        time.sleep(tf)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        time.sleep(ctx.tb)
+        return grad, torch.zeros(()), None, None
+
+
+class PassThroughStage(nn.Module):
+    """A sleep stage that does not touch its payload (for large payloads: the transfer is the
+    only cost that grows with the size)."""
+
+    def __init__(self, tf: float, tb: float) -> None:
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return PassThrough.apply(x, self.scale, self.tf, self.tb)
+
+
 class SleepHooks:
     """``pipeline_inputs`` / ``pipeline_loss`` for sleep stages: a source reads its microbatch,
     a module with upstream modules adds their outputs, the sink's loss is a mean square."""
@@ -132,12 +161,15 @@ class OurPipeline:
 
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
                  mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0,
-                 tw: Optional[float] = None) -> None:
+                 tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
-        (input gradient ``tb``, weight gradient ``tw``)."""
+        (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
+        ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.runtime.PipelineRuntime`)."""
         self.layout, self.rank, self.m = layout, rank, m
 
         def stage() -> nn.Module:
+            if pass_through:
+                return PassThroughStage(tf, tb)
             return SleepStage(tf, tb) if tw is None else SplitSleepStage(tf, tb, tw)
 
         self.runners = {
@@ -145,7 +177,8 @@ class OurPipeline:
         }
         self.tracer = Tracer(rank) if trace else None
         self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
-        self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer)
+        self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer,
+                                       overlap=overlap)
         self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe", "zero_bubble")}
         g = torch.Generator().manual_seed(seed)
         self.data = [torch.randn(*mb_shape, generator=g) for _ in range(m)]

@@ -19,13 +19,23 @@ Wire protocol (per forward *channel* = (src rank, dst rank, src module, dst modu
 * Backward messages never carry metadata: their layout is the gradient layout of the spec of
   the same (key, peer) seen in forward, which both ends keep until that backward has run.
 
-Ordering and deadlock freedom: an exchange runs in rounds. In round ``r`` a rank posts, in one
-``batch_isend_irecv``, the ``r``-th part of each of its outgoing messages and the next expected
-part of each incoming message, each list sorted by a canonical key that both ends compute
-(direction, src module, dst module, microbatch, sender rank, receiver rank), then waits for
-its receives. All sends and receives of one round go into the same batch, so opposite directions
-cannot deadlock, and the per-rank-pair in-order matching of gloo and NCCL pairs the same messages
-on both ends. Steady state is one round; a metadata change adds up to three.
+Ordering and deadlock freedom: a batch of transfers runs in rounds. In round ``r`` a rank
+posts, in one ``batch_isend_irecv``, the ``r``-th part of each of its outgoing messages and the
+next expected part of each incoming message, each list sorted by a canonical key that both ends
+compute (direction, src module, dst module, microbatch, sender rank, receiver rank). All sends
+and receives of a round go into the same batch, so opposite directions cannot deadlock, and the
+per-rank-pair in-order matching of gloo and NCCL pairs the same messages on both ends. Steady
+state is one round; a metadata change adds up to three.
+
+Posting and taking. :meth:`MultiModuleCommunicator.post` posts a batch and returns at once:
+the sender posts every round of its parts, the receiver the first round of its parts, as one
+*group* per peer. :meth:`MultiModuleCommunicator.take` completes a message where its payload is
+needed (the runtime: just before the compute that consumes it), running the further rounds of
+its group if a spec changed. Before a rank posts anything more from a peer, it completes that
+peer's open group, so the later rounds of a changed spec are matched before anything later.
+Every wait happens no earlier than in :meth:`MultiModuleCommunicator.exchange` (post, then take
+everything), so a schedule that cannot deadlock with blocking exchanges cannot with deferred
+takes either.
 
 Contract for callers (the schedule/runtime): for every pair of ranks and direction, the messages
 that one :meth:`exchange` call sends must be received by exactly one :meth:`exchange` call on the
@@ -35,9 +45,8 @@ sizes equal raises instead of silently mixing up data. With NCCL, run one collec
 (e.g. a barrier) before the first exchange so that the first batched P2P call is not the group's
 first collective (see ``torch.distributed.batch_isend_irecv``).
 
-Send completion: the send works of an exchange are kept (with their buffers) and waited at the
-start of the next exchange or by :meth:`MultiModuleCommunicator.wait_sends`; receives are
-complete when :meth:`exchange` returns.
+Send completion: the send works of a post are kept (with their buffers) and waited at the
+start of the next post or by :meth:`MultiModuleCommunicator.wait_sends`.
 
 Same-rank peers (colocated modules) move no bytes: the payload object is handed over with every
 tensor leaf detached (``requires_grad`` kept), and gradients are handed back as objects.
@@ -331,7 +340,6 @@ class MultiModuleCommunicator:
           send ``(forward, u, d, k)``: tensors where the leaf required grad, ``None`` elsewhere.
         """
         recvs = list(recvs)
-        self.wait_sends()
         self.post(sends, recvs)
         return {key: self.take(key) for key in recvs}
 
@@ -339,13 +347,17 @@ class MultiModuleCommunicator:
         """Post ``sends`` and ``recvs`` (the contract of :meth:`exchange`) without waiting for them.
 
         Sends are packed and handed to the backend at once; they complete in the background
-        (:meth:`wait_sends` waits for them). Receives are posted in the same batch as the sends
+        until the next :meth:`post` (or :meth:`wait_sends`) waits for them. Receives are posted
+        in the same batch as the sends
         and completed by :meth:`take`, where their payload is needed, so the transfer runs
         while this rank computes. A receive from a peer that still has a posted, unfinished
         group of messages to this rank first finishes that group: a message whose spec changed
         needs further parts, and per-pair in-order matching must see them before anything later.
         """
         recvs = list(recvs)
+        # The previous post's sends first: on gloo, sends left in flight compete for the link and
+        # the cores with the transfer the next compute waits for (measured: benchmarks/bench_overlap.py).
+        self.wait_sends()
         # A peer's earlier group must be whole first: its messages may carry the spec this
         # batch's receives are planned with, and nothing later from that peer may be posted
         # while parts of it are still to come.
@@ -634,8 +646,6 @@ class MultiModuleCommunicator:
         if not outgoing and not incoming:
             return {}
         self._check_initialised()
-        # sends the peers have taken: free their buffers (the rest stay until wait_sends)
-        self._pending_sends = [(w, b) for w, b in self._pending_sends if not w.is_completed()]
         outgoing = sorted(outgoing, key=lambda m: m.order)
         incoming = sorted(incoming, key=lambda m: m.order)
         by_peer: dict[int, list[_Incoming]] = {}

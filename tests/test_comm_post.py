@@ -1,0 +1,74 @@
+"""MultiModuleCommunicator.post / take: receives completed where they are consumed, in any order,
+across posts, with specs that change on the way (the extra rounds of a changed spec)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mmpp.actions import Direction, MessageKey
+from lightning_mmpp.comm import MultiModuleCommunicator
+from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+F, B = Direction.FORWARD, Direction.BACKWARD
+SHAPES = {0: (2, 3), 1: (4, 3), 2: (4, 3), 3: (2, 3), 4: (2, 3)}  # 1 and 3 change the channel's spec
+
+
+def _value(k: int) -> dict:
+    torch.manual_seed(k)
+    return {"h": torch.randn(*SHAPES[k], requires_grad=True), "k": torch.tensor([k])}
+
+
+def _run(rank: int, world: int) -> dict:
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    fwd = {k: MessageKey(F, "a", "a", k) for k in SHAPES}
+    bwd = {k: MessageKey(B, "a", "a", k) for k in SHAPES}
+    posts = [[0], [1], [2, 3], [4]]  # microbatches per post; 2 and 3 share one
+    out: dict = {}
+    if rank == 0:
+        for ks in posts:
+            comm.post({fwd[k]: _value(k) for k in ks}, [])
+        comm.post({}, [bwd[k] for k in SHAPES])
+        out["grads"] = {k: comm.take(bwd[k])["h"] for k in reversed(SHAPES)}
+    else:
+        for ks in posts:  # nothing taken in between: each post completes the previous group first
+            comm.post({}, [fwd[k] for k in ks])
+        got = {k: comm.take(fwd[k]) for k in reversed(SHAPES)}
+        out["ok"] = {k: torch.equal(got[k]["h"], _value(k)["h"].detach()) and got[k]["h"].requires_grad
+                     and not got[k]["k"].requires_grad for k in SHAPES}
+        comm.post({bwd[k]: {"h": torch.full(SHAPES[k], float(k)), "k": None} for k in SHAPES}, [])
+        out["posted_left"] = comm.posted()
+    comm.wait_sends()
+    out["metadata"] = comm.stats.metadata_exchanges
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_takes_in_any_order_across_posts_with_changing_specs():
+    sender, receiver = run_distributed(_run, 2, timeout=60)
+    assert receiver["ok"] == {k: True for k in SHAPES}, receiver
+    assert receiver["posted_left"] == []
+    assert {k: torch.equal(g, torch.full(SHAPES[k], float(k))) for k, g in sender["grads"].items()} == \
+        {k: True for k in SHAPES}
+    assert sender["metadata"] == receiver["metadata"] == 3  # first use, then the changes at 1 and 3
+
+
+def _misuse(rank: int, world: int) -> list:
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    errors = []
+    try:
+        comm.take(MessageKey(F, "a", "a", 0))
+    except RuntimeError as err:
+        errors.append(str(err))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_take_without_post_names_the_message():
+    for errors in run_distributed(_misuse, 2, timeout=60):
+        assert len(errors) == 1 and "without a post()" in errors[0] and "mb0" in errors[0]
