@@ -103,8 +103,7 @@ class CommStats:
     ``messages_*`` / ``bytes_*`` count point-to-point transfers (metadata parts included);
     ``metadata_exchanges`` counts spec transfers this rank took part in (sent or received);
     ``local_handovers`` counts payloads or gradients handed to a same-rank peer without bytes;
-    ``rounds`` counts batched P2P calls; ``prefetched`` counts receives posted ahead of their
-    batch (:meth:`MultiModuleCommunicator.prefetch`).
+    ``rounds`` counts batched P2P calls.
     """
 
     messages_sent: int = 0
@@ -114,7 +113,6 @@ class CommStats:
     metadata_exchanges: int = 0
     local_handovers: int = 0
     rounds: int = 0
-    prefetched: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -394,42 +392,6 @@ class MultiModuleCommunicator:
         for key, sources in pending:
             peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
             self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
-
-    @property
-    def can_prefetch(self) -> bool:
-        """Whether receives may be posted ahead of the batch the schedule puts them in.
-
-        Only where point-to-point operations to one peer do not queue behind one another (gloo);
-        on NCCL a receive posted early would hold the sends queued after it to the same peer.
-        """
-        if not (dist.is_available() and dist.is_initialized()):
-            return False
-        return dist.get_backend(self.group) == "gloo"
-
-    def prefetch(self, keys: Sequence[MessageKey], peer: int) -> bool:
-        """Post the receives ``keys`` of a later batch now, if they all come from ``peer`` alone
-        and can be planned now; returns whether they were posted.
-
-        On gloo a transfer starts only once its receive is posted (the sender's work waits for
-        it), so posting a compute's input ahead lets the bytes arrive while this rank is still
-        computing. Per-pair order holds as long as the caller prefetches each peer's batches
-        in schedule order, one batch ahead of what it has taken.
-        """
-        if not keys or peer == self.rank or peer in self._open or any(key in self._inbox for key in keys):
-            return False
-        for key in keys:
-            if key.direction == FORWARD:
-                _, peers = self._sources(key)
-            else:
-                _, peers = self._targets(key)
-                states = self._sent.get(key.edge)
-                if states is None or not all(state.spec.requires_grad for state in states):
-                    return False  # its forward is not sent yet, or no gradient comes back
-            if [p.rank for p in peers] != [peer]:
-                return False
-        self.post({}, keys)
-        self.stats.prefetched += len(keys)
-        return True
 
     def take(self, key: MessageKey) -> Any:
         """The payload of a receive posted by :meth:`post`, waiting for it if it has not arrived."""

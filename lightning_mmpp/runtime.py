@@ -32,7 +32,6 @@ shared upstream modules could not be split per sink afterwards.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -42,7 +41,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_mmpp.actions import Action, Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.failures import FailureBoard
 from lightning_mmpp.hooks import pipeline_loss_caller
@@ -359,10 +358,7 @@ class PipelineRuntime:
             if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
         }
         finished: list[str] = []  # stages whose gradients are complete, told after the next exchange
-        if self.overlap and getattr(self.comm, "can_prefetch", False):
-            step.ahead = _receive_batches(actions)
         for index, action in enumerate(actions):
-            step.index = index
             try:
                 if isinstance(action, Exchange):
                     self._exchange(step, action)
@@ -405,10 +401,7 @@ class PipelineRuntime:
 
     def _exchange(self, step: "_StepState", action: Exchange) -> None:
         sends = self._collect_sends(step, action.sends)
-        recv_keys = [key for key in dict.fromkeys(t.key for t in action.recvs) if key not in step.prefetched]
-        for peer, batches in step.ahead.items():  # this exchange's batch from peer is posted now
-            if batches and batches[0][0] == step.index:
-                step.prefetched.difference_update(batches.popleft()[1])
+        recv_keys = list(dict.fromkeys(t.key for t in action.recvs))
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 if self.overlap:
@@ -421,8 +414,7 @@ class PipelineRuntime:
                 raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
         if self.overlap:
             for t in action.recvs:
-                if t.key in recv_keys:
-                    step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
+                step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
             return
         for key, payload in got.items():
             self._store(step, key, payload)
@@ -446,25 +438,6 @@ class PipelineRuntime:
                 except RuntimeError as err:
                     raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
                 self._store(step, key, payload)
-        for peer in dict.fromkeys(keys.values()):
-            self._prefetch(step, peer)
-
-    def _prefetch(self, step: "_StepState", peer: int) -> None:
-        """Post ``peer``'s next batch of receives now, ahead of its exchange (see
-        :meth:`~lightning_mmpp.comm.MultiModuleCommunicator.prefetch`)."""
-        batches = step.ahead.get(peer)
-        if not batches or batches[0][0] <= step.index or batches[0][1] & step.prefetched:
-            return
-        index, keys = batches[0]
-        ordered = sorted(keys)
-        try:
-            posted = self.comm.prefetch(ordered, peer)
-        except RuntimeError as err:
-            raise self.failures.transport_failure(err, {peer}, min(key.microbatch for key in keys)) from err
-        if posted:
-            step.prefetched.update(keys)
-            for key in ordered:
-                step.posted.setdefault(_consumer(key), {})[key] = peer
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
@@ -605,19 +578,6 @@ class PipelineRuntime:
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
 
 
-def _receive_batches(actions: Sequence[Action]) -> dict[int, deque[tuple[int, frozenset[MessageKey]]]]:
-    """Per peer, the exchanges that receive from it, in order, with the keys each receives from it."""
-    batches: dict[int, deque[tuple[int, frozenset[MessageKey]]]] = {}
-    for index, action in enumerate(actions):
-        if isinstance(action, Exchange):
-            by_peer: dict[int, set[MessageKey]] = {}
-            for t in action.recvs:
-                by_peer.setdefault(t.peer, set()).add(t.key)
-            for peer, keys in by_peer.items():
-                batches.setdefault(peer, deque()).append((index, frozenset(keys)))
-    return batches
-
-
 def _consumer(key: MessageKey) -> tuple[str, int, Direction]:
     """The compute that needs a received message: the forward of its destination module, or
     the backward of its source module (the gradient of that module's output)."""
@@ -645,8 +605,4 @@ class _StepState:
     in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
     # receives posted and not taken yet: (consumer module, k, direction) -> {key: peer}
     posted: dict[tuple[str, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
-    index: int = 0  # the action being run
-    # per peer, the exchanges still to come that receive from it: (action index, keys from it)
-    ahead: dict[int, deque[tuple[int, frozenset[MessageKey]]]] = field(default_factory=dict)
-    prefetched: set[MessageKey] = field(default_factory=set)  # posted ahead of their exchange
     pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph
