@@ -72,3 +72,46 @@ def _misuse(rank: int, world: int) -> list:
 def test_take_without_post_names_the_message():
     for errors in run_distributed(_misuse, 2, timeout=60):
         assert len(errors) == 1 and "without a post()" in errors[0] and "mb0" in errors[0]
+
+
+# --- the runtime: overlapped (posted, taken where consumed) == blocking ---------------------------
+
+
+class _Hooks:
+    def pipeline_inputs(self, module, batch, upstream):
+        return batch if not upstream else sum(upstream.values())
+
+    def pipeline_loss(self, output, batch):
+        return output.square().mean()
+
+
+def _runtime_grads(rank: int, world: int) -> dict:
+    from torch import nn
+
+    from lightning_mmpp.partition import StageRunner
+    from lightning_mmpp.runtime import PipelineRuntime
+    from lightning_mmpp.schedule import build_schedule
+
+    layout = PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=2)}, {"enc": ["llm"], "llm": []})
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    out: dict = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        stages = {"enc": nn.Linear(8, 8), "llm": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))}
+        slot = layout.slots(rank)[0]
+        layer = stages[slot.module] if slot.module == "enc" else stages["llm"][slot.stage]
+        runner = StageRunner(slot.module, slot.stage, [layer], ["0"])
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        runtime = PipelineRuntime(layout, rank, comm, {slot.module: runner}, _Hooks(), overlap=overlap)
+        for name in ("1f1b", "gpipe", "zero_bubble"):
+            runtime.run(build_schedule(layout, 6, name), lambda module, k: data[k])
+            comm.wait_sends()
+        out[overlap] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_runtime_matches_blocking():
+    for rank, out in enumerate(run_distributed(_runtime_grads, 3, timeout=60)):
+        assert out[True].keys() == out[False].keys()
+        assert all(torch.equal(out[True][n], out[False][n]) for n in out[False]), rank
