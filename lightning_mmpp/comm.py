@@ -321,6 +321,10 @@ class MultiModuleCommunicator:
         # Receives posted and not taken: key -> (its sources, the groups its remote parts are in).
         self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[_Group]]] = {}
         self._open: dict[int, _Group] = {}  # peer -> its posted group not yet complete
+        # the last packed buffer per (peer, direction, src module, dst module), reused by the next
+        # message of the channel; ``_packed``: channels packed in the current post
+        self._send_buffers: dict[tuple[int, Direction, str, str], torch.Tensor] = {}
+        self._packed: set[tuple[int, Direction, str, str]] = set()
 
     # --- public API ----------------------------------------------------------------------
 
@@ -355,6 +359,7 @@ class MultiModuleCommunicator:
         needs further parts, and per-pair in-order matching must see them before anything later.
         """
         recvs = list(recvs)
+        self._packed = set()
         # The previous post's sends first: on gloo, sends left in flight compete for the link and
         # the cores with the transfer the next compute waits for (measured: benchmarks/bench_overlap.py).
         self.wait_sends()
@@ -525,7 +530,9 @@ class MultiModuleCommunicator:
                 parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
                 self._send_cache[channel] = spec
                 self.stats.metadata_exchanges += 1
-            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, message_tag(key)))
+            reuse = self._send_buffer(peer.rank, key, spec.data_layout.nbytes)
+            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, message_tag(key), out=reuse))
+            self._keep_send_buffer(peer.rank, key, parts[-1])
             outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
         self._sent[key.edge] = states
 
@@ -581,8 +588,25 @@ class MultiModuleCommunicator:
                 self.stats.local_handovers += 1
                 continue
             tensors = [chunk[i] for i in spec.grad_layout.indices]
-            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, message_tag(key))
+            reuse = self._send_buffer(peer_state.rank, key, spec.grad_layout.nbytes)
+            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, message_tag(key), out=reuse)
+            self._keep_send_buffer(peer_state.rank, key, buffer)
             outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [buffer]))
+
+    def _send_buffer(self, peer: int, key: MessageKey, nbytes: int) -> Optional[torch.Tensor]:
+        """The packed buffer of the last message on this (peer, direction, edge) channel, to
+        pack into again: free, since a post first waits for the previous posts' sends; not one
+        already used in this post."""
+        slot = (peer, key.direction, key.src_module, key.dst_module)
+        buffer = self._send_buffers.get(slot)
+        if buffer is None or slot in self._packed or buffer.numel() != nbytes:
+            return None
+        return buffer
+
+    def _keep_send_buffer(self, peer: int, key: MessageKey, buffer: torch.Tensor) -> None:
+        slot = (peer, key.direction, key.src_module, key.dst_module)
+        self._send_buffers[slot] = buffer
+        self._packed.add(slot)
 
     def _take_local(self, key: MessageKey) -> Any:
         try:

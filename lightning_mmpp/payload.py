@@ -293,15 +293,25 @@ def pack(
     device: torch.device,
     flag: int = FLAG_DATA,
     tag: int = 0,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Copy ``tensors`` (one per entry of ``layout``) into one new contiguous ``uint8`` buffer.
+    """Copy ``tensors`` (one per entry of ``layout``) into one contiguous ``uint8`` buffer.
 
     Each tensor must have the shape and dtype its :class:`TensorMeta` says. Non-contiguous
-    tensors and tensors on another device are fine (one strided copy each).
+    tensors and tensors on another device are fine (one strided copy each). ``out``: a buffer
+    of exactly ``layout.nbytes`` bytes on ``device`` to write into instead of a new one (a fresh
+    large buffer costs page faults on every use).
     """
     if len(tensors) != len(layout.metas):
         raise ValueError(f"pack got {len(tensors)} tensors for a layout of {len(layout.metas)} leaves")
-    buffer = pack_header(layout.nbytes, device, flag, tag)
+    if out is not None and out.dtype == torch.uint8 and out.dim() == 1 and out.numel() == layout.nbytes \
+            and out.device == torch.device(device):
+        buffer = out
+        header = buffer[:HEADER_BYTES].view(torch.int64)
+        header[0] = flag
+        header[1] = tag
+    else:
+        buffer = pack_header(layout.nbytes, device, flag, tag)
     for tensor, meta, offset in zip(tensors, layout.metas, layout.offsets):
         if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
             raise ValueError(

@@ -115,3 +115,30 @@ def test_overlapped_runtime_matches_blocking():
     for rank, out in enumerate(run_distributed(_runtime_grads, 3, timeout=60)):
         assert out[True].keys() == out[False].keys()
         assert all(torch.equal(out[True][n], out[False][n]) for n in out[False]), rank
+
+
+def _reuse(rank: int, world: int) -> dict:
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    keys = [MessageKey(F, "a", "a", k) for k in range(4)]
+    values = [torch.full((64, 64), float(k)) for k in range(4)]
+    out: dict = {}
+    if rank == 0:
+        pointers = []
+        for key, value in zip(keys, values):
+            comm.post({key: value}, [])
+            pointers.append(next(iter(comm._send_buffers.values())).data_ptr())
+        comm.wait_sends()
+        out["pointers"] = pointers
+    else:
+        for key in keys:
+            comm.post({}, [key])
+        out["ok"] = [torch.equal(comm.take(key), value) for key, value in zip(keys, values)]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_channel_packs_into_the_same_send_buffer_once_its_send_completed():
+    sender, receiver = run_distributed(_reuse, 2, timeout=60)
+    assert receiver["ok"] == [True] * 4
+    assert len(set(sender["pointers"][1:])) == 1, sender["pointers"]  # the first message allocates it
