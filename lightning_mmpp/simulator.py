@@ -69,29 +69,48 @@ def _cost_fn(cost: CostFn | float) -> CostFn:
     return cost if callable(cost) else (lambda module, stage, c=float(cost): c)
 
 
-def _partners(schedule: Schedule) -> dict[tuple[int, int, Transfer], tuple[int, int]]:
-    """``(rank, action index, transfer) -> (peer, its action index)`` for every transfer."""
-    posts: dict[tuple[int, Transfer, str], int] = {}
+def _identity(t: Transfer) -> tuple[bool, str, str, int]:
+    """A transfer's message as a plain tuple (hashing the frozen dataclasses dominated planning)."""
+    key = t.key
+    return (key.direction is Direction.FORWARD, key.src_module, key.dst_module, key.microbatch)
+
+
+def _partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]:
+    """Per rank and action index: the ``(peer, its action index)`` of every send and of every
+    receive of that action (empty lists for computes)."""
+    posts: dict[tuple[int, int, tuple[bool, str, str, int], bool], int] = {}  # (rank, peer, message, is send)
     for rank, actions in enumerate(schedule.actions):
         for i, action in enumerate(actions):
             if isinstance(action, Exchange):
-                for role, transfers in (("send", action.sends), ("recv", action.recvs)):
+                for is_send, transfers in ((True, action.sends), (False, action.recvs)):
                     for t in transfers:
-                        if (rank, t, role) in posts:
+                        slot = (rank, t.peer, _identity(t), is_send)
+                        if slot in posts:
+                            role = "send" if is_send else "recv"
                             raise DeadlockError(
-                                f"rank {rank} {role}s {t} twice (actions {posts[(rank, t, role)]} and {i}); "
+                                f"rank {rank} {role}s {t} twice (actions {posts[slot]} and {i}); "
                                 "every message must be posted once"
                             )
-                        posts[(rank, t, role)] = i
-    partner: dict[tuple[int, int, Transfer], tuple[int, int]] = {}
-    for (rank, t, role), i in posts.items():
-        other_role = "recv" if role == "send" else "send"
-        if not 0 <= t.peer < schedule.world_size:
-            raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} does not exist")
-        j = posts.get((t.peer, t.mirror(rank), other_role))
-        if j is None:
-            raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} never posts the other end")
-        partner[(rank, i, t)] = (t.peer, j)
+                        posts[slot] = i
+    partner: list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]] = []
+    for rank, actions in enumerate(schedule.actions):
+        mine: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+        for i, action in enumerate(actions):
+            if not isinstance(action, Exchange):
+                mine.append(([], []))
+                continue
+            lists: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+            for is_send, transfers, out in ((True, action.sends, lists[0]), (False, action.recvs, lists[1])):
+                role = "send" if is_send else "recv"
+                for t in transfers:
+                    if not 0 <= t.peer < schedule.world_size:
+                        raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} does not exist")
+                    j = posts.get((t.peer, rank, _identity(t), not is_send))
+                    if j is None:
+                        raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} never posts the other end")
+                    out.append((t.peer, j))
+            mine.append(lists)
+        partner.append(mine)
     return partner
 
 
@@ -170,11 +189,11 @@ def simulate(
                         peak_units[rank] = max(peak_units[rank], full[rank] + weight_stash * deferred[rank])
                 else:
                     posted_at[(rank, i)] = clock[rank]
-                    waits_on = action.sends + action.recvs if mode == "rendezvous" else action.recvs
+                    sends_of, recvs_of = partner[rank][i]
+                    waits_on = sends_of + recvs_of if mode == "rendezvous" else recvs_of
                     ready = clock[rank]
                     blocked = False
-                    for t in waits_on:
-                        other = partner[(rank, i, t)]
+                    for other in waits_on:
                         if other not in posted_at:
                             blocked = True
                             break
