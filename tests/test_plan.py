@@ -154,6 +154,17 @@ def test_cli_profiles_an_example_script(tmp_path, capsys):
     assert list(profile.modules) == ["vision", "audio", "llm"] and profile.profile_batch_size == 8
 
 
+def test_cli_plans_the_vision_language_example(capsys):
+    """The realistic example: Hugging Face layers built in configure_model (meta), a frozen
+    encoder, tied embeddings; profiled layer by layer, planned, printed as JSON."""
+    pytest.importorskip("transformers")
+    target = os.path.join(ROOT, "examples", "train_vlm.py") + ":VisionLanguageModel"
+    assert cli_main([target, "--world-size", "4", "--batch-size", "8", "--repeats", "1", "--json", "--top-k", "2"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert len(plans) == 2 and set(plans[0]["placements"]) == {"vision", "proj", "llm"}
+    assert sum(p["pp"] * p["dp"] for p in plans[0]["placements"].values()) >= 4
+
+
 def test_profile_model_on_the_test_model():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from models import MultiModalModel, make_loader
