@@ -149,6 +149,83 @@ def worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps
     return medians
 
 
+def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps: int) -> list[float]:
+    """The same sleep-stage models run through ``L.Trainer(strategy=MultiModulePipelineStrategy(plan...))``;
+    returns per plan the median step time (slowest rank, barrier before each step)."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_mmpp import MultiModulePipelineStrategy
+
+    per = profile.profile_batch_size
+
+    class SampleSleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
+            ctx.tb = tb * x.shape[0]
+            time.sleep(tf * x.shape[0])
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            time.sleep(ctx.tb)
+            return grad, None, None
+
+    class Layer(nn.Module):
+        def __init__(self, tf: float, tb: float) -> None:
+            super().__init__()
+            self.tf, self.tb = tf, tb
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SampleSleep.apply(x * self.scale, self.tf, self.tb)
+
+    class SleepModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, module in profile.modules.items():
+                setattr(self, name, nn.Sequential(*[Layer(x.forward_s / per, x.backward_s / per) for x in module.layers]))
+
+        def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
+            return batch[0] if not upstream else sum(upstream[n] for n in sorted(upstream))
+
+        def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+            return output.square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            dist.barrier()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            t = torch.tensor([time.perf_counter() - self.start], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.times.append(float(t))
+
+    medians = []
+    for plan in plans:
+        timer = StepTimer()
+        strategy = MultiModulePipelineStrategy(plan.placements, profile.topology, plan.num_microbatches,
+                                               schedule=plan.schedule)
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps + 1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[timer])
+        data = TensorDataset(torch.randn(profile.batch_size * (steps + 1), 128))
+        trainer.fit(SleepModel(), DataLoader(data, batch_size=profile.batch_size))
+        times = sorted(timer.times[1:])  # the first step warms up
+        medians.append(times[len(times) // 2])
+    return medians
+
+
 def validation_section(world: int, steps: int) -> None:
     from tests.dist import run_distributed
 
@@ -158,13 +235,16 @@ def validation_section(world: int, steps: int) -> None:
     chain_best = plan_placements(chain_profile(profile), world, top_k=1)[0]
     results = run_distributed(worker, world, [top, uniform], profile, steps, timeout=600)
     measured = results[0]
+    through_lightning = run_distributed(lightning_worker, world, [top, uniform], profile, steps, timeout=600,
+                                        init_pg=False)[0]
     print(f"\nvalidation: sleep stages, {world} ranks, global batch {profile.batch_size}, median of {steps} steps")
-    print("plan     predicted ms  measured ms  measured/predicted  layout")
-    for name, plan, seconds in (("top", top, measured[0]), ("uniform", uniform, measured[1])):
-        print(f"{name:8s} {plan.step_time_s * 1e3:12.1f}  {seconds * 1e3:11.1f}  {seconds / plan.step_time_s:18.2f}  "
-              f"{plan.describe()}, m={plan.num_microbatches}")
-    print(f"measured uniform/top {measured[1] / measured[0]:.2f}; predicted single chain/top "
-          f"{chain_best.step_time_s / top.step_time_s:.2f}")
+    print("plan     predicted ms  runtime ms  runtime/predicted  Lightning ms  Lightning/predicted  layout")
+    for i, (name, plan) in enumerate((("top", top), ("uniform", uniform))):
+        seconds, lit = measured[i], through_lightning[i]
+        print(f"{name:8s} {plan.step_time_s * 1e3:12.1f}  {seconds * 1e3:10.1f}  {seconds / plan.step_time_s:17.2f}  "
+              f"{lit * 1e3:12.1f}  {lit / plan.step_time_s:19.2f}  {plan.describe()}, m={plan.num_microbatches}")
+    print(f"measured uniform/top {measured[1] / measured[0]:.2f} (runtime), {through_lightning[1] / through_lightning[0]:.2f} "
+          f"(Lightning); predicted single chain/top {chain_best.step_time_s / top.step_time_s:.2f}")
 
 
 def main() -> None:
