@@ -350,9 +350,9 @@ class MultiModuleCommunicator:
     def post(self, sends: Mapping[MessageKey, Any], recvs: Iterable[MessageKey]) -> None:
         """Post ``sends`` and ``recvs`` (the contract of :meth:`exchange`) without waiting for them.
 
-        Sends are packed and handed to the backend at once; they complete in the background
-        until the next :meth:`post` (or :meth:`wait_sends`) waits for them. Receives are posted
-        in the same batch as the sends
+        Sends are packed (into the channel's previous buffer when it fits) and handed to the
+        backend at once; they complete in the background until the next :meth:`post` (or
+        :meth:`wait_sends`) waits for them. Receives are posted in the same batch as the sends
         and completed by :meth:`take`, where their payload is needed, so the transfer runs
         while this rank computes. A receive from a peer that still has a posted, unfinished
         group of messages to this rank first finishes that group: a message whose spec changed
