@@ -8,7 +8,12 @@ rank (rank 0 on top), time in milliseconds from the step's first event:
 
 * forwards: solid boxes, one colour per module; backwards: the same colour, darker and hatched;
   the microbatch number is written in a box wide enough to hold it;
-* ``exchange`` (communication, including the time spent waiting for a peer): light grey;
+* ``exchange`` (posting transfers; with blocking exchanges also the wait for a peer) and
+  ``wait`` (a compute waiting for a posted receive): light grey;
+* receives in flight (track 1 of the trace: from the exchange that posted a receive to the
+  moment its consumer has the data): thin bars under the rank's row, forward activations
+  above backward gradients; where such a bar runs under a compute box, the transfer overlapped
+  that compute;
 * ``dp_allreduce`` (gradient sum over a module's replicas): orange;
 * ``optimizer_step``: red;
 * ``metrics_allreduce`` (the step's loss and metrics, made identical on every rank): dark grey.
@@ -34,6 +39,9 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 MODULE_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#e377c2", "#8c564b", "#bcbd22", "#393b79")
 COMM_COLOUR = "#c8c8c8"
+FORWARD_RECV_COLOUR = "#4d4d4d"
+BACKWARD_RECV_COLOUR = "#a05a2c"
+RECV_LANE = 0.09  # height of one lane of receives in flight, in rows
 DP_COLOUR = "#ff7f0e"
 OPTIMIZER_COLOUR = "#d62728"
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
@@ -93,7 +101,6 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
                 held[e["pid"]].append(label)
     colour = {m: MODULE_COLOURS[i % len(MODULE_COLOURS)] for i, m in enumerate(modules)}
 
-    height = 0.8
     fig_w = 13.0
     fig_h = 1.2 + 0.55 * len(pids)
     fig, ax = plt.subplots(figsize=(fig_w, fig_h), dpi=110)
@@ -104,11 +111,13 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
     fontsize = 7.5
     char_px = fontsize * fig.dpi / 72 * 0.62
 
-    counts = {"forward": 0, "backward": 0, "exchange": 0, "other": 0}
+    counts = {"forward": 0, "backward": 0, "exchange": 0, "recv": 0, "other": 0}
+    in_flight = any(e["name"] == "recv" for e in chosen)
+    height = 0.8 - (2 * RECV_LANE + 0.04 if in_flight else 0.0)
     for e in sorted(chosen, key=lambda e: e["name"] in COMPUTE):  # compute drawn last, on top
         x = (e["ts"] - t0) / 1000.0
         w = e["dur"] / 1000.0
-        y = row[e["pid"]] - height / 2
+        y = row[e["pid"]] - 0.4
         name = e["name"]
         label = None
         if name in COMPUTE:
@@ -123,10 +132,16 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
                                   hatch=hatch, hatchcolor=shade(base, 1.25))
             label = str(e["args"].get("microbatch", ""))
             counts["forward" if name == "forward" else "backward"] += 1
-        elif name == "exchange":
+        elif name == "recv":  # a receive in flight, drawn in a thin lane under the row
+            lane = 0 if e["args"].get("direction") == "forward" else 1
+            face = to_rgb(FORWARD_RECV_COLOUR if lane == 0 else BACKWARD_RECV_COLOUR)
+            patch = Rectangle((x, y + height + 0.02 + lane * RECV_LANE), w, RECV_LANE * 0.8, facecolor=face,
+                              edgecolor="white", linewidth=0.3)
+            counts["recv"] += 1
+        elif name in ("exchange", "wait"):
             face = to_rgb(COMM_COLOUR)
             patch = Rectangle((x, y + 0.15), w, height - 0.3, facecolor=face, linewidth=0)
-            counts["exchange"] += 1
+            counts["exchange" if name == "exchange" else "other"] += 1
         else:
             face = to_rgb(DP_COLOUR if name == "dp_allreduce" else OPTIMIZER_COLOUR if name == "optimizer_step"
                           else "#7f7f7f")
@@ -135,7 +150,7 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
             counts["other"] += 1
         ax.add_patch(patch)
         if label and w * px_per_ms >= char_px * len(label) + 3:
-            ax.text(x + w / 2, row[e["pid"]], label, ha="center", va="center", fontsize=fontsize,
+            ax.text(x + w / 2, y + height / 2, label, ha="center", va="center", fontsize=fontsize,
                     color=text_colour(face), fontweight="bold", clip_on=True,
                     bbox=dict(boxstyle="square,pad=0.05", facecolor=face, linewidth=0)
                     if name in BACKWARD_STYLE else None)
@@ -160,7 +175,10 @@ def plot_step(events: Sequence[dict[str, Any]], names: dict[int, str], out_png: 
                 factor, hatch = BACKWARD_STYLE[kind]
                 handles.append(Patch(facecolor=shade(colour[m], factor), edgecolor="white", hatch=hatch,
                                      hatchcolor=shade(colour[m], 1.25), label=f"{m} {text}"))
-    handles.append(Patch(facecolor=COMM_COLOUR, label="comm (exchange incl. wait)"))
+    handles.append(Patch(facecolor=COMM_COLOUR, label="comm (post / wait)"))
+    if in_flight:
+        handles.append(Patch(facecolor=FORWARD_RECV_COLOUR, label="activation in flight"))
+        handles.append(Patch(facecolor=BACKWARD_RECV_COLOUR, label="gradient in flight"))
     names_seen = {e["name"] for e in chosen}
     if "dp_allreduce" in names_seen:
         handles.append(Patch(facecolor=DP_COLOUR, label="dp all-reduce"))

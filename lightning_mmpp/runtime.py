@@ -32,6 +32,7 @@ shared upstream modules could not be split per sink afterwards.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -415,6 +416,9 @@ class PipelineRuntime:
         if self.overlap:
             for t in action.recvs:
                 step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
+            if self.tracer.enabled:
+                now = time.time_ns()
+                step.posted_ns.update((t.key, now) for t in action.recvs)
             return
         for key, payload in got.items():
             self._store(step, key, payload)
@@ -438,6 +442,10 @@ class PipelineRuntime:
                 except RuntimeError as err:
                     raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
                 self._store(step, key, payload)
+                if self.tracer.enabled:  # the receive's life: posted -> in the consumer's hands
+                    self.tracer.record("recv", "transfer", step.posted_ns.pop(key), time.time_ns(), track=1,
+                                       peer=peer, microbatch=key.microbatch, src=key.src_module, dst=key.dst_module,
+                                       direction=key.direction.name.lower())
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
@@ -605,4 +613,5 @@ class _StepState:
     in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
     # receives posted and not taken yet: (consumer module, k, direction) -> {key: peer}
     posted: dict[tuple[str, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
+    posted_ns: dict[MessageKey, int] = field(default_factory=dict)  # when each receive was posted (tracing)
     pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph

@@ -3,8 +3,10 @@
 A :class:`Tracer` records complete events ("ph": "X") with wall-clock timestamps in
 microseconds: computes (named by :data:`PHASE_SPANS`: ``forward``, ``backward`` for a fused
 backward, ``backward_input`` / ``backward_weight`` for the two halves of a split one;
-category = module name), communication waits, the data-parallel gradient reduction and the
-optimizer step. :data:`NULL_TRACER` records nothing
+category = module name), communication posts and waits, the data-parallel gradient reduction
+and the optimizer step on track (``tid``) 0; on track 1, every receive from its post to the
+moment its consumer has it (category ``transfer``: with overlapped transfers these bars run
+beside the computes on track 0). :data:`NULL_TRACER` records nothing
 and costs one attribute lookup per span, so tracing is cheap when off.
 """
 
@@ -47,10 +49,12 @@ class Tracer:
         finally:
             self.record(name, cat, start, time.time_ns(), **args)
 
-    def record(self, name: str, cat: str, start_ns: int, end_ns: int, **args: Any) -> None:
-        """Record one event between two ``time.time_ns()`` readings."""
+    def record(self, name: str, cat: str, start_ns: int, end_ns: int, track: int = 0, **args: Any) -> None:
+        """Record one event between two ``time.time_ns()`` readings. ``track`` is the row under
+        the rank (the trace's ``tid``): 0 for what the rank does, 1 for receives in flight,
+        which overlap the compute on track 0."""
         self.events.append({
-            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
+            "name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": track,
             "ts": start_ns / 1000.0, "dur": (end_ns - start_ns) / 1000.0, "args": {"step": self.step, **args},
         })
 
@@ -76,7 +80,7 @@ class _NullTracer:
     def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
         yield
 
-    def record(self, name: str, cat: str, start_ns: int, end_ns: int, **args: Any) -> None:
+    def record(self, name: str, cat: str, start_ns: int, end_ns: int, track: int = 0, **args: Any) -> None:
         pass
 
 

@@ -92,11 +92,25 @@ def test_collapsed_dp_simulation_equals_the_full_layout():
 
 def test_top_plan_matches_exhaustive_search():
     profile = heterogeneous(batch=16)
-    pruned = plan_placements(profile, 4, top_k=3)
+    exact = plan_placements(profile, 4, top_k=3, tolerance=0.0)
     everything = plan_placements(profile, 4, top_k=1000, exhaustive=True)
     assert len(everything) > 50
-    assert pruned[0].step_time_s <= everything[0].step_time_s * 1.05
-    assert [p.step_time_s for p in pruned] == pytest.approx([p.step_time_s for p in everything[:3]])
+    assert [p.step_time_s for p in exact] == pytest.approx([p.step_time_s for p in everything[:3]])
+    for world in (4, 6):
+        everything = plan_placements(profile, world, top_k=1, exhaustive=True)
+        for tolerance in (0.02, 0.05):
+            pruned = plan_placements(profile, world, top_k=3, tolerance=tolerance)
+            assert pruned[0].step_time_s <= everything[0].step_time_s * (1 + tolerance)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
+def test_lower_bound_never_exceeds_the_simulated_step(schedule):
+    """Pruning is exact only if the bound holds for every candidate the search could skip."""
+    for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6)):
+        everything = plan_placements(profile, world, top_k=10_000, exhaustive=True, schedules=(schedule,))
+        assert len(everything) > 20
+        for plan in everything:
+            assert plan.lower_bound_s <= plan.step_time_s * (1 + 1e-9), plan.describe()
 
 
 def test_top_plan_beats_uniform_and_single_chain():

@@ -16,7 +16,9 @@ the microbatch count and the global batch) to what the simulator and the memory 
   every forward and backward;
 * transfers: the bytes crossing a stage boundary or a bridge, over ``bandwidth``, plus
   ``latency`` per message; a stage's received activations are added to its forward, its
-  received gradients to its backward (a receive blocks the stage that needs the data);
+  received gradients to its backward (a receive blocks the stage that needs the data); a
+  bridge between modules on the same ranks (colocated, or a ``pp=1`` module beside a stage)
+  stays in the process and costs nothing;
 * the dp gradient sum after a stage's last backward: a ring all-reduce, ``2 (dp-1)/dp * bytes
   / bandwidth`` (a reduce-scatter, half that, when sharded);
 * memory per rank: parameters, gradients and Adam state (``state_bytes_per_param_byte`` times
@@ -236,6 +238,14 @@ class CostModel:
         nbytes = layer.output_bytes_per_sample * samples
         return nbytes / self.profile.bandwidth_bytes_per_s + messages * self.profile.latency_s
 
+    def _in_process(self, up: str, down: str) -> bool:
+        """Whether ``up``'s last stage and ``down``'s first run on the same ranks (colocated or
+        beside): their transfers stay in the process and cost nothing."""
+        a, b = self.placements[up], self.placements[down]
+        if a.rank_offset is None or b.rank_offset is None or a.dp != b.dp:
+            return False
+        return a.rank_offset + (a.pp - 1) * a.dp == b.rank_offset
+
     def received_seconds(self, module: str, stage: int) -> float:
         """Seconds one replica of ``(module, stage)`` spends receiving a microbatch's inputs:
         its own samples of every producer's output (from ``up.dp / dp`` senders on a fan-in)."""
@@ -245,7 +255,7 @@ class CostModel:
         dp = self.placements[module].dp
         return sum(
             self._message_seconds(up, self.placements[up].pp - 1, samples, max(1, self.placements[up].dp // dp))
-            for up, downs in self.profile.topology.items() if module in downs
+            for up, downs in self.profile.topology.items() if module in downs and not self._in_process(up, module)
         )
 
     def gradient_seconds(self, module: str, stage: int) -> float:
@@ -256,7 +266,8 @@ class CostModel:
             return self._message_seconds(module, stage, samples, 1)
         return sum(
             self._message_seconds(module, stage, samples, max(1, self.placements[down].dp // placement.dp))
-            for down in self.profile.topology[module] if down not in self.no_backward
+            for down in self.profile.topology[module]
+            if down not in self.no_backward and not self._in_process(module, down)
         )
 
     def _stage(self, module: str, stage: int) -> StageCost:

@@ -25,6 +25,7 @@ flight in the simulation.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -366,8 +367,15 @@ def _dp_ok(placements: dict[str, ModulePlacement], topology: dict[str, list[str]
     return True
 
 
-def _path_bound(cost: CostModel, layout: PipelineLayout) -> float:
-    """Busy + forward path before + backward path after, maximised over ranks (a lower bound)."""
+def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
+                no_backward: frozenset[str] = frozenset()) -> float:
+    """A lower bound of the simulated step, maximised over ranks: busy time + the forward path
+    before the rank's first compute + (the backward path or the gradient sum) after its last.
+
+    Under 1F1B a rank holding one stage also waits for its first backward: it runs at most
+    ``limit`` forwards (the schedule's in-flight limit) before the gradient of microbatch 0 has
+    made the round trip through every downstream stage, so the bound adds what of that round
+    trip the warm-up forwards cannot fill."""
     topo = layout.topology
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
@@ -379,12 +387,28 @@ def _path_bound(cost: CostModel, layout: PipelineLayout) -> float:
                 preds = [(u, cost.placements[u].pp - 1) for u in topo.upstream(module)]
             head[(module, s)] = max((head[p] + cost.forward(*p) for p in preds), default=0.0)
             tail[(module, s)] = max((tail[p] + cost.backward(*p) for p in preds), default=0.0)
+    trip: dict[tuple[str, int], float] = {}  # forward + backward of the longest path after the stage
+    for module in reversed(topo.order):
+        pp = cost.placements[module].pp
+        for s in reversed(range(pp)):
+            succs = [(module, s + 1)] if s + 1 < pp else [(d, 0) for d in topo.downstream(module)]
+            trip[(module, s)] = max((trip[n] + cost.forward(*n) + cost.backward(*n) for n in succs), default=0.0)
     bound = 0.0
     for rank in range(layout.world_size):
         slots = layout.slots(rank)
         busy = sum(cost.m * (cost.forward(s.module, s.stage) + cost.backward(s.module, s.stage)) for s in slots)
-        bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots)
-                    + min(tail[(s.module, s.stage)] for s in slots))
+        if schedule == "1f1b" and len(slots) == 1 and slots[0].module not in no_backward:
+            slot = slots[0]
+            f = cost.forward(slot.module, slot.stage)
+            limit = min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
+            busy += max(0.0, f + trip[(slot.module, slot.stage)] - limit * f)
+        # after the rank's last compute (some slot's last backward) come that slot's gradient
+        # sum and, unless the backward is split (zero_bubble: the last compute may be a W that
+        # nothing upstream waits for), the upstream backward path
+        after = min(cost.stage(s.module, s.stage).sync_s for s in slots)
+        if schedule != "zero_bubble":
+            after = max(after, min(tail[(s.module, s.stage)] for s in slots))
+        bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots) + after)
     return bound
 
 
@@ -395,6 +419,7 @@ class _Evaluator:
         self.space = space
         self.allow_recompute = allow_recompute
         self.schedules: dict = {}
+        self.layouts: dict = {}
         self.smallest_peak: Optional[tuple[float, str]] = None
 
     def choose_flags(self, structure: _Structure, m: int, schedule: str) -> Optional[tuple[dict, CostModel, float]]:
@@ -402,23 +427,31 @@ class _Evaluator:
         cost model and its lower bound; ``None`` when nothing fits."""
         space = self.space
         flags: dict[str, tuple[bool, bool]] = {name: (False, False) for name in space.profile.modules}
-        topology = space.profile.topology
+        layout = self.collapsed(structure)  # replicas of a stage have equal costs, bounds and memory
         while True:
             placements = _placements(space, structure, flags=flags)
             cost = CostModel(space.profile, placements, m, space.no_backward)
-            layout = PipelineLayout(placements, topology)
             if space.memory_limit is None:
-                return flags, cost, _path_bound(cost, layout)
+                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward)
             inflight = {(r, s.module): cost.inflight_bound(layout, s.module, s.stage, schedule)
                         for r in range(layout.world_size) for s in layout.slots(r)}
             peaks = cost.peak_memory(layout, inflight)
             worst = max(range(len(peaks)), key=peaks.__getitem__)
             if peaks[worst] <= space.memory_limit:
-                return flags, cost, _path_bound(cost, layout)
+                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward)
             upgraded = self._upgrade(flags, layout, cost, worst, schedule)
             if not upgraded:
                 self._note_peak(peaks[worst], placements)
                 return None
+
+    def collapsed(self, structure: _Structure) -> PipelineLayout:
+        """The structure's layout with every dp 1 (one rank per stage), cached."""
+        key = (structure.groups, structure.beside)
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = PipelineLayout(_placements(self.space, structure, collapse=True), self.space.profile.topology)
+            self.layouts[key] = layout
+        return layout
 
     def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int, schedule: str) -> bool:
         """Switch on the flag that saves the most bytes on ``rank``; False when none is left."""
@@ -452,7 +485,7 @@ class _Evaluator:
         topology = space.profile.topology
         placements = cost.placements
         layout = PipelineLayout(placements, topology)
-        small = PipelineLayout(_placements(space, structure, collapse=True, flags=flags), topology)
+        small = self.collapsed(structure)
         key = (tuple(sorted((n, p.pp, p.rank_offset) for n, p in small.placements.items())), m, schedule)
         if schedule == "zero_bubble":
             stages = [cost.stage(n, s) for n, p in placements.items() for s in range(p.pp) if n not in space.no_backward]
@@ -530,6 +563,7 @@ def plan_placements(
     allow_recompute: bool = True,
     uniform: bool = False,
     exhaustive: bool = False,
+    tolerance: float = 0.02,
 ) -> list[Plan]:
     """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
 
@@ -547,11 +581,18 @@ def plan_placements(
         allow_shard, allow_recompute: may switch on ``shard`` / ``recompute`` where memory needs it.
         uniform: only layouts where every module has the same pp and no colocation (a baseline).
         exhaustive: simulate every candidate instead of pruning by bounds (for checks).
+        tolerance: once ``top_k`` plans are known, skip a candidate whose lower bound times
+            ``1 + tolerance`` reaches the best plan's step: the returned top plan is then within
+            ``1 + tolerance`` of the best of an exhaustive search, and the others are the best
+            of the candidates simulated. 0 returns exactly the exhaustive top ``top_k`` (slower:
+            many layouts sit within a few percent of each other).
 
     Raises:
         PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
             the smallest predicted peak and what would fit).
     """
+    if not 0 <= tolerance < 1:
+        raise PipelineConfigError(f"tolerance={tolerance!r}: give a fraction in [0, 1), e.g. 0.02.")
     if not isinstance(world_size, int) or world_size < 1:
         raise PipelineConfigError(f"world_size={world_size!r}: give the number of ranks, an integer >= 1.")
     for name in schedules:
@@ -573,9 +614,19 @@ def plan_placements(
     evaluated: set = set()
     seen_plans: set = set()
     factors = [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]
+
+    def hopeless(bound: float) -> bool:
+        """Whether a candidate whose step is at least ``bound`` can be skipped."""
+        if exhaustive or len(best) < top_k:
+            return False
+        return bound >= best[top_k - 1].step_time_s or (tolerance > 0 and bound * (1 + tolerance) >= best[0].step_time_s)
+
     for factor in factors:
         threshold = perfect * factor
-        candidates = []
+        # best first over lower bounds, refined lazily: level 0 is the structure's busiest rank
+        # (cheap), level 1 the cost model's path bound with the shard / recompute flags memory
+        # needs (built only for candidates that level 0 cannot rule out), then the simulation
+        queue: list[tuple[float, int, int, _Structure, int, str, Optional[tuple]]] = []
         for structure in _structures(space, threshold, allow_colocation and not uniform, uniform):
             placements = _placements(space, structure)
             if not _dp_ok(placements, profile.topology):
@@ -587,19 +638,27 @@ def plan_placements(
                     if key in evaluated:
                         continue
                     evaluated.add(key)
-                    chosen = evaluator.choose_flags(structure, m, schedule)
-                    if chosen is not None:
-                        candidates.append((chosen[2], len(candidates), structure, m, schedule, chosen))
-        candidates.sort(key=lambda c: c[:2])
-        for bound, _, structure, m, schedule, (flags, cost, _) in candidates:
-            if not exhaustive and len(best) >= top_k and bound >= best[top_k - 1].step_time_s:
+                    queue.append((structure.busy, len(queue), 0, structure, m, schedule, None))
+        heapq.heapify(queue)
+        count = len(queue)
+        while queue:
+            bound, _, level, structure, m, schedule, chosen = heapq.heappop(queue)
+            if hopeless(bound):
                 break
+            if level == 0:
+                chosen = evaluator.choose_flags(structure, m, schedule)
+                if chosen is not None:
+                    heapq.heappush(queue, (max(bound, chosen[2]), count, 1, structure, m, schedule, chosen))
+                    count += 1
+                continue
+            flags, cost, _ = chosen
             plan = evaluator.simulate(structure, m, schedule, flags, cost, bound)
             if plan is not None and _plan_key(plan) not in seen_plans:
                 seen_plans.add(_plan_key(plan))
                 best.append(plan)
                 best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
-        if len(best) >= top_k and best[top_k - 1].step_time_s <= threshold:
+        # structures not enumerated yet have a busiest rank (so a step) of at least ``threshold``
+        if hopeless(threshold):
             break
     if not best:
         _raise_nothing_fits(space, evaluator, memory_limit_bytes, world_size)
