@@ -14,6 +14,16 @@ MiB of fp32. Two runtime modes, all four runs interleaved round by round in one 
   action.
 
 Step time = median over the timed steps of the slowest rank. The ideal is ``(m + pp - 1)(tf + tb)``.
+
+Where the rest of the time goes, in the same launch: the one-way time of a single gloo
+transfer of each payload between two of the ranks (ping-pong, median), and the project's
+simulator run with that time as the per-transfer latency: how many transfers sit on the
+schedule's critical path, the step it predicts, and the least any schedule could pay (the
+first microbatch's activations cross ``pp - 1`` links before the last stage can start, the
+last gradients cross them back).
+
+``--trace PNG`` also draws one overlapped step with the large payload (``plot_trace.py``:
+receives in flight as thin bars under each rank's computes).
 """
 
 from __future__ import annotations
@@ -21,17 +31,46 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import OurPipeline, chain, interleaved, machine, median, section, table  # noqa: E402
+from lightning_mmpp.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 KIB = 1024
 
 
+def one_way_seconds(rank: int, nbytes: int, repeats: int = 11) -> float:
+    """Median one-way time of one ``nbytes`` gloo transfer between ranks 0 and 1 (ping-pong / 2);
+    the other ranks only join the barriers."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - start) / 2)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str, int], rounds: int,
-           steps: int) -> dict[str, list[float]]:
+           steps: int, trace_dir: Optional[str]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    raw = {label: one_way_seconds(rank, nbytes) for label, nbytes in sizes.items()}
     runs = {}
     for label, nbytes in sizes.items():
         rows = max(1, nbytes // (4 * 1024))
@@ -39,7 +78,15 @@ def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str,
             pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), overlap=overlap,
                                pass_through=True)
             runs[f"{label} {'overlap' if overlap else 'blocking'}"] = (lambda p=pipe: p.step()[0])
-    return interleaved(runs, rounds, steps)
+    times = interleaved(runs, rounds, steps)
+    if trace_dir is not None:  # two traced steps with the large payload, overlapped
+        rows = max(1, list(sizes.values())[-1] // (4 * 1024))
+        pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), trace=True, pass_through=True)
+        for step in range(2):
+            pipe.tracer.step = step
+            pipe.step()
+        pipe.tracer.write(trace_dir)
+    return times, raw
 
 
 def main() -> None:
@@ -52,13 +99,15 @@ def main() -> None:
     parser.add_argument("--large-mib", type=float, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--trace", metavar="PNG", help="draw one overlapped step with the large payload")
     args = parser.parse_args()
     sizes = {f"{args.small_kib:g} KiB": int(args.small_kib * KIB), f"{args.large_mib:g} MiB": int(args.large_mib * KIB * KIB)}
     print(f"$ python benchmarks/bench_overlap.py --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
           f"--small-kib {args.small_kib:g} --large-mib {args.large_mib:g} --rounds {args.rounds} --steps {args.steps}")
     print(f"({machine()})")
-    times = run_distributed(worker, args.pp, args.m, args.tf, args.tb, sizes, args.rounds, args.steps,
-                            timeout=900)[0]
+    trace_dir = tempfile.mkdtemp(prefix="overlap_trace_") if args.trace else None
+    times, raw = run_distributed(worker, args.pp, args.m, args.tf, args.tb, sizes, args.rounds, args.steps,
+                                 trace_dir, timeout=900)[0]
     ideal = (args.m + args.pp - 1) * (args.tf + args.tb)
     small, large = sizes
     rows = []
@@ -67,6 +116,30 @@ def main() -> None:
         rows.append((mode, f"{s * 1000:.1f}", f"{l * 1000:.1f}", f"{l / s:.3f}", f"{s / ideal:.3f}", f"{l / ideal:.3f}"))
     section(f"1F1B, {args.pp}-stage chain, m={args.m}, ideal {ideal * 1000:.0f} ms")
     print(table(["runtime", f"{small} ms", f"{large} ms", "large / small", "small / ideal", "large / ideal"], rows))
+    layout = chain(args.pp)
+    schedule = build_schedule(layout, args.m, "1f1b")
+    section("one gloo transfer, and the simulator with it as the per-transfer latency")
+    rows = []
+    for label in sizes:
+        latency = raw[label]
+        predicted = simulate(schedule, layout, args.tf, args.tb, mode="eager", latency=latency).step_time
+        floor = ideal + 2 * (args.pp - 1) * latency
+        on_path = (predicted - ideal) / latency  # transfers on the critical path
+        rows.append((label, f"{latency * 1000:.2f}", f"{on_path:.0f}", f"{predicted * 1000:.1f}",
+                     f"{median(times[f'{label} overlap']) / predicted:.3f}", f"{floor * 1000:.1f}"))
+    print(table(["payload", "one-way ms", "transfers on 1F1B path", "1F1B predicted ms", "overlap / predicted",
+                 "any schedule >= ms"], rows))
+    if trace_dir is not None:
+        from benchmarks.plot_trace import load_trace, plot_step
+        from lightning_mmpp.trace import merge_traces
+
+        events, names = load_trace(merge_traces(trace_dir, args.pp))
+        last = [e for e in events if e["args"]["step"] == 1]
+        span_ms = (max(e["ts"] + e["dur"] for e in last) - min(e["ts"] for e in last)) / 1000
+        title = (f"1F1B, {args.pp} pass-through sleep stages (tf {args.tf * 1e3:g} ms, tb {args.tb * 1e3:g} ms), "
+                 f"m={args.m}, {large} per transfer, overlapped: step {span_ms:.0f} ms")
+        summary = plot_step(events, names, args.trace, step=1, title=title)
+        print(f"\nwrote {args.trace}: {summary['recv']} receives in flight drawn")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
 """The placement planner: search time, predicted gains, and predicted against measured step time.
 
     python benchmarks/bench_plan.py              # planner time + ratios (one process, seconds)
-    python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (4 processes)
+    python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (5 processes)
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
 * predicted step of the top plan against the best uniform layout (every module the same pp,
   no colocation) and the best single chain (all layers in one pipeline, the encoders one after
   the other), at equal ranks and memory limit;
 * ``--validate``: sleep-stage models with known costs (a layer sleeps its forward / backward
-  time scaled by the samples it gets), the top plan and the best uniform plan run by
-  lightning_mmpp's communicator, schedule and runtime in forked gloo processes: measured median
-  step (slowest rank) against the planner's prediction.
+  time scaled by the samples it gets), the top plan, the best uniform plan and the best single
+  chain run by lightning_mmpp's communicator, schedule and runtime, then through the Lightning
+  Trainer, in forked gloo processes: measured median step (slowest rank) against the planner's
+  prediction, and the measured ratios.
 """
 
 from __future__ import annotations
@@ -71,15 +72,17 @@ def planner_section() -> None:
 def sleep_profile() -> ModelProfile:
     """Known costs per 16 samples (the whole batch): two encoders and a 6-layer LM."""
     return ModelProfile(
-        modules={"vision": ModuleProfile(layers(2, 0.030, 0.060, 4, 4096)),
-                 "audio": ModuleProfile(layers(1, 0.020, 0.040, 4, 4096)),
-                 "llm": ModuleProfile(layers(6, 0.012, 0.024, 4, 4096))},
+        modules={"vision": ModuleProfile(layers(2, 0.060, 0.120, 4, 4096)),
+                 "audio": ModuleProfile(layers(1, 0.040, 0.080, 4, 4096)),
+                 "llm": ModuleProfile(layers(6, 0.024, 0.048, 4, 4096))},
         topology={"vision": ["llm"], "audio": ["llm"], "llm": []},
         profile_batch_size=16, batch_size=16, bandwidth_bytes_per_s=2e9, latency_s=7e-4,
     )
 
 
-def worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps: int) -> list[float]:
+def worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: int) -> list[float]:
+    """Each ``(plan, profile)`` run by lightning_mmpp's communicator, schedule and runtime; per
+    run the median step time (slowest rank, barrier before each step)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -112,9 +115,9 @@ def worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return SampleSleep.apply(x * self.scale, self.tf, self.tb)
 
-    per = profile.profile_batch_size
     medians = []
-    for plan in plans:
+    for plan, profile in runs:
+        per = profile.profile_batch_size
         layout = plan.layout()
         cost = CostModel(profile, plan.placements, plan.num_microbatches)
         runners = {}
@@ -149,9 +152,9 @@ def worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps
     return medians
 
 
-def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProfile, steps: int) -> list[float]:
+def lightning_worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: int) -> list[float]:
     """The same sleep-stage models run through ``L.Trainer(strategy=MultiModulePipelineStrategy(plan...))``;
-    returns per plan the median step time (slowest rank, barrier before each step)."""
+    returns per run the median step time (slowest rank, barrier before each step)."""
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -159,8 +162,6 @@ def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProf
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_mmpp import MultiModulePipelineStrategy
-
-    per = profile.profile_batch_size
 
     class SampleSleep(torch.autograd.Function):
         @staticmethod
@@ -184,8 +185,9 @@ def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProf
             return SampleSleep.apply(x * self.scale, self.tf, self.tb)
 
     class SleepModel(L.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, profile: ModelProfile) -> None:
             super().__init__()
+            per = profile.profile_batch_size
             for name, module in profile.modules.items():
                 setattr(self, name, nn.Sequential(*[Layer(x.forward_s / per, x.backward_s / per) for x in module.layers]))
 
@@ -212,7 +214,7 @@ def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProf
             self.times.append(float(t))
 
     medians = []
-    for plan in plans:
+    for plan, profile in runs:
         timer = StepTimer()
         strategy = MultiModulePipelineStrategy(plan.placements, profile.topology, plan.num_microbatches,
                                                schedule=plan.schedule)
@@ -220,7 +222,7 @@ def lightning_worker(rank: int, world: int, plans: list[Any], profile: ModelProf
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[timer])
         data = TensorDataset(torch.randn(profile.batch_size * (steps + 1), 128))
-        trainer.fit(SleepModel(), DataLoader(data, batch_size=profile.batch_size))
+        trainer.fit(SleepModel(profile), DataLoader(data, batch_size=profile.batch_size))
         times = sorted(timer.times[1:])  # the first step warms up
         medians.append(times[len(times) // 2])
     return medians
@@ -230,27 +232,29 @@ def validation_section(world: int, steps: int) -> None:
     from tests.dist import run_distributed
 
     profile = sleep_profile()
-    top = plan_placements(profile, world, top_k=1)[0]
-    uniform = plan_placements(profile, world, top_k=1, uniform=True)[0]
-    chain_best = plan_placements(chain_profile(profile), world, top_k=1)[0]
-    results = run_distributed(worker, world, [top, uniform], profile, steps, timeout=600)
-    measured = results[0]
-    through_lightning = run_distributed(lightning_worker, world, [top, uniform], profile, steps, timeout=600,
+    chained = chain_profile(profile)
+    runs = {"top": (plan_placements(profile, world, top_k=1)[0], profile),
+            "uniform": (plan_placements(profile, world, top_k=1, uniform=True)[0], profile),
+            "chain": (plan_placements(chained, world, top_k=1)[0], chained)}
+    measured = run_distributed(worker, world, list(runs.values()), steps, timeout=900)[0]
+    through_lightning = run_distributed(lightning_worker, world, list(runs.values()), steps, timeout=900,
                                         init_pg=False)[0]
     print(f"\nvalidation: sleep stages, {world} ranks, global batch {profile.batch_size}, median of {steps} steps")
     print("plan     predicted ms  runtime ms  runtime/predicted  Lightning ms  Lightning/predicted  layout")
-    for i, (name, plan) in enumerate((("top", top), ("uniform", uniform))):
+    for i, (name, (plan, _)) in enumerate(runs.items()):
         seconds, lit = measured[i], through_lightning[i]
         print(f"{name:8s} {plan.step_time_s * 1e3:12.1f}  {seconds * 1e3:10.1f}  {seconds / plan.step_time_s:17.2f}  "
               f"{lit * 1e3:12.1f}  {lit / plan.step_time_s:19.2f}  {plan.describe()}, m={plan.num_microbatches}")
-    print(f"measured uniform/top {measured[1] / measured[0]:.2f} (runtime), {through_lightning[1] / through_lightning[0]:.2f} "
-          f"(Lightning); predicted single chain/top {chain_best.step_time_s / top.step_time_s:.2f}")
+    for i, name in ((1, "uniform"), (2, "single chain")):
+        print(f"measured {name}/top {measured[i] / measured[0]:.2f} (runtime), "
+              f"{through_lightning[i] / through_lightning[0]:.2f} (Lightning); predicted "
+              f"{runs[list(runs)[i]][0].step_time_s / runs['top'][0].step_time_s:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", action="store_true")
-    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--world", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     planner_section()

@@ -100,6 +100,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--microbatches", type=int, help="fix the microbatch count")
     parser.add_argument("--schedules", default="1f1b", help="comma-separated: 1f1b,gpipe,zero_bubble")
     parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--tolerance", type=float, default=0.03,
+                        help="the top plan is within 1 + this of an exhaustive search's best (0: exact, slower)")
     parser.add_argument("--device", default="cpu", help="where to profile")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth", type=parse_bytes, help="link bandwidth per second, e.g. 25GB/s")
@@ -122,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             profile.to_json(args.profile_out)
         plans = plan_placements(profile, args.world_size, args.microbatches, args.memory_limit,
                                 tuple(s.strip() for s in args.schedules.split(",")), args.top_k,
-                                batch_size=args.batch_size)
+                                batch_size=args.batch_size, tolerance=args.tolerance)
     except PipelineConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

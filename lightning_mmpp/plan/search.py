@@ -28,11 +28,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_mmpp.actions import Phase
+from lightning_mmpp.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.costs import CostModel, LayerProfile, ModelProfile, ModuleProfile
@@ -172,22 +173,37 @@ class _Space:
         return [(layer.forward_s + (layer.backward_s if trains else 0.0)) / self.profile.profile_batch_size
                 for layer in layers]
 
-    def split(self, module: str, pp: int) -> list[range]:
-        key = (module, pp)
+    def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[range]:
+        """Stages of ``module`` balanced by time; ``extra`` is the work per sample of modules
+        placed beside its first and last stage, which those stages then carry fewer layers for."""
+        key = (module, pp, extra)
         if key not in self.splits:
-            self.splits[key] = CostModel.split(self.profile, module, pp)
+            if extra == (0.0, 0.0) or pp == 1:
+                self.splits[key] = CostModel.split(self.profile, module, pp)
+            else:
+                work = self.work(module)
+                work[0] += extra[0]
+                work[-1] += extra[1]
+                self.splits[key] = balanced_split(work, pp)
         return self.splits[key]
 
-    def stage_work(self, module: str, pp: int) -> list[float]:
+    def stage_work(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[float]:
         work = self.work(module)
-        return [sum(work[i] for i in r) for r in self.split(module, pp)]
+        return [sum(work[i] for i in r) for r in self.split(module, pp, extra)]
 
-    def static_floor(self, module: str, pp: int, dp: int) -> list[float]:
+    def beside_work(self, host: str, attached: Iterable[tuple[str, bool]]) -> tuple[float, float]:
+        """Work per sample of the modules beside ``host``'s first and last stage
+        (``(module, at_first)`` pairs; those of other hosts are left out by the caller)."""
+        first = sum(sum(self.work(m)) for m, at_first in attached if at_first)
+        last = sum(sum(self.work(m)) for m, at_first in attached if not at_first)
+        return first, last
+
+    def static_floor(self, module: str, pp: int, dp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[float]:
         """Smallest static bytes per stage of ``module`` at ``pp x dp`` (sharded when possible)."""
         layers = self.profile.modules[module].layers
         factor = self.profile.state_bytes_per_param_byte
         out = []
-        for r in self.split(module, pp):
+        for r in self.split(module, pp, extra):
             state = sum(layers[i].param_bytes * (factor if layers[i].trainable and module not in self.no_backward
                                                  else 1.0) for i in r)
             if self.allow_shard and dp > 1:
@@ -244,12 +260,14 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
     profile = space.profile
     max_pp = min(len(profile.modules[m].layers) for m in modules)
     options = []
+    extra = {m: space.beside_work(m, [(a, where == "first") for a, (h, where) in attached.items() if h == m])
+             for m in modules}
     for pp in range(1, min(max_pp, space.world_size) + 1):
         if uniform_pp is not None and pp != uniform_pp:
             continue
         per_stage = [0.0] * pp
         for m in modules:
-            for s, w in enumerate(space.stage_work(m, pp)):
+            for s, w in enumerate(space.stage_work(m, pp, extra[m])):
                 per_stage[s] += w
         for m, (host, where) in attached.items():
             if host in modules:
@@ -260,7 +278,7 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
             if space.memory_limit is not None:
                 static = [0.0] * pp
                 for m in modules:
-                    for st, b in enumerate(space.static_floor(m, pp, dp)):
+                    for st, b in enumerate(space.static_floor(m, pp, dp, extra[m])):
                         static[st] += b
                 for m, (host, where) in attached.items():
                     if host in modules:
@@ -334,7 +352,8 @@ def _placements(space: _Space, structure: _Structure, collapse: bool = False,
     for group in groups:
         dp = 1 if collapse else group.dp
         for m in group.modules:
-            split = tuple(r.start for r in space.split(m, group.pp)[1:]) or None
+            extra = space.beside_work(m, [(a, stage == 0) for a, host, stage in structure.beside if host == m])
+            split = tuple(r.start for r in space.split(m, group.pp, extra)[1:]) or None
             shard, recompute = flags.get(m, (False, False))
             by_module[m] = ModulePlacement(pp=group.pp, dp=dp, rank_offset=cursor, split_points=split,
                                            shard=shard and not collapse, recompute=recompute)
@@ -563,7 +582,7 @@ def plan_placements(
     allow_recompute: bool = True,
     uniform: bool = False,
     exhaustive: bool = False,
-    tolerance: float = 0.02,
+    tolerance: float = 0.03,
 ) -> list[Plan]:
     """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
 
