@@ -139,6 +139,13 @@ def main() -> None:
         title = (f"1F1B, {args.pp} pass-through sleep stages (tf {args.tf * 1e3:g} ms, tb {args.tb * 1e3:g} ms), "
                  f"m={args.m}, {large} per transfer, overlapped: step {span_ms:.0f} ms")
         summary = plot_step(events, names, args.trace, step=1, title=title)
+        section(f"where the traced step's time goes, {large} per transfer (overlapped, mean per event, all ranks)")
+        rows = []
+        for name, expected in (("forward", args.tf), ("backward", args.tb), ("exchange", 0.0), ("wait", 0.0)):
+            durations = [e["dur"] / 1000 for e in last if e["name"] == name]
+            mean = sum(durations) / len(durations) if durations else 0.0
+            rows.append((name, len(durations), f"{mean:.1f}", f"{expected * 1e3:.0f}", f"{mean - expected * 1e3:.1f}"))
+        print(table(["event", "count", "mean ms", "sleep ms", "excess ms"], rows))
         print(f"\nwrote {args.trace}: {summary['recv']} receives in flight drawn")
 
 

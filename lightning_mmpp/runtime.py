@@ -390,6 +390,9 @@ class PipelineRuntime:
     def _compute(self, step: "_StepState", action: Compute) -> None:
         stage = self.stages[action.module]
         k = action.microbatch
+        # the receives this compute consumes, before its span: the trace shows waiting apart
+        # from computing
+        self._take(step, action.module, k, Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD)
         with self.tracer.span(PHASE_SPANS[action.phase], action.module, microbatch=k, stage=stage.stage):
             if action.phase is Phase.FORWARD:
                 self._forward(step, stage, k)
@@ -449,7 +452,6 @@ class PipelineRuntime:
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
-        self._take(step, module, k, Direction.FORWARD)
         inputs = step.received.get((module, k), {})
         if stage.stage == 0:
             upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
@@ -506,7 +508,6 @@ class PipelineRuntime:
 
     def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
-        self._take(step, module, k, Direction.BACKWARD)
         if module in self.loss_stages:
             step.outputs.pop((module, k), None)
             loss = step.losses.pop((module, k))
@@ -518,7 +519,6 @@ class PipelineRuntime:
 
     def _backward_input(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module = stage.module
-        self._take(step, module, k, Direction.BACKWARD)
         pieces = step.pieces[(module, k)]
         if module in self.loss_stages:
             step.outputs.pop((module, k), None)
