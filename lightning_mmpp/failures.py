@@ -20,8 +20,9 @@ timeout. :class:`FailureBoard` makes the root cause visible everywhere without a
 
 The board is a ``TCPStore`` served by rank 0's process, apart from the process group's own
 store (which a failing rank's ``destroy_process_group`` shuts down); its address travels
-through the group's store at setup. Rank 0 waits, bounded, for every live rank's ack before it
-leaves a failed step, so its peers can still read the report; a peer that cannot reach the
+through the group's store at setup. Rank 0 waits, bounded, until every live rank has read the
+root cause before it leaves a failed step (a ``done`` key after the read; the ack comes
+before it), so its peers can still read the report; a peer that cannot reach the
 board at all reports rank 0 as the rank that died.
 
 Keys are namespaced per Trainer call (a generation counter), so a failure caught in one
@@ -204,6 +205,7 @@ class FailureBoard:
         try:
             first = self._store.compare_set(self._prefix + "root", "", report.to_json())
             self._ack()
+            self._done()
             return FailureReport.from_json(first) if first else report
         except Exception:  # noqa: BLE001 - the store is gone: keep the local report
             return report
@@ -214,6 +216,10 @@ class FailureBoard:
 
     def _ack(self) -> None:
         self._store.set(self._prefix + f"ack/{self.rank}", "1")
+
+    def _done(self) -> None:
+        """This rank has read (or written) the root cause and needs the board no more."""
+        self._store.set(self._prefix + f"done/{self.rank}", "1")
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -247,6 +253,7 @@ class FailureBoard:
                 self._reconnect()
                 self._ack()
             root = self._wait_for_root(peers, grace_s, microbatch)
+            self._done()
         except Exception as store_err:  # noqa: BLE001 - the store's host (rank 0) is gone
             if self.rank == 0:
                 return PipelineError(f"{seen} and the process group's store failed ({store_err}). "
@@ -302,11 +309,12 @@ class FailureBoard:
         return False
 
     def linger(self, timeout_s: float = LINGER_S) -> None:
-        """On the rank that serves the store (rank 0), wait until every other rank acked the
-        failure (or ``timeout_s``), so they can read the root cause before the store goes."""
+        """On the rank that serves the store (rank 0), wait until every other rank has read
+        the root cause (or ``timeout_s``), so none of them finds the store gone and blames rank
+        0. (An ack alone is not enough: a rank acks before it reads.)"""
         if self._store is None or self.rank != 0 or not self.failed:
             return
-        keys = [self._prefix + f"ack/{r}" for r in range(1, self.world_size)]
+        keys = [self._prefix + f"done/{r}" for r in range(1, self.world_size)]
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline and not all(self._store.check([k]) for k in keys):
