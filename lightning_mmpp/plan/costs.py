@@ -205,7 +205,7 @@ class CostModel:
     """
 
     def __init__(self, profile: ModelProfile, placements: Mapping[str, ModulePlacement], num_microbatches: int,
-                 no_backward: frozenset[str] = frozenset()) -> None:
+                 no_backward: frozenset[str] = frozenset(), memo: Optional[dict] = None) -> None:
         self.profile = profile
         self.placements = dict(placements)
         self.m = num_microbatches
@@ -213,8 +213,24 @@ class CostModel:
         self._ranges = {name: self.split(profile, name, p.pp, p.split_points) for name, p in self.placements.items()}
         self._stages: dict[tuple[str, int], StageCost] = {}
         for name, placement in self.placements.items():
-            for stage in range(placement.pp):
-                self._stages[(name, stage)] = self._stage(name, stage)
+            # a stage's costs depend on its own placement, m and its neighbours' dp and
+            # colocation only: a search shares them across candidates through ``memo``
+            key = (name, placement, num_microbatches, self._neighbours(name)) if memo is not None else None
+            stages = memo.get(key) if key is not None else None
+            if stages is None:
+                stages = [self._stage(name, stage) for stage in range(placement.pp)]
+                if key is not None:
+                    memo[key] = stages
+            for stage, cost in enumerate(stages):
+                self._stages[(name, stage)] = cost
+
+    def _neighbours(self, module: str) -> tuple:
+        """What of the other modules' placements ``module``'s stage costs depend on."""
+        topology = self.profile.topology
+        ups = tuple((up, self.placements[up].dp, self._in_process(up, module))
+                    for up, downs in topology.items() if module in downs)
+        downs = tuple((down, self.placements[down].dp, self._in_process(module, down)) for down in topology[module])
+        return ups, downs
 
     @staticmethod
     def split(profile: ModelProfile, module: str, pp: int, split_points: Optional[Sequence[int]] = None) -> list[range]:

@@ -391,10 +391,11 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
     """A lower bound of the simulated step, maximised over ranks: busy time + the forward path
     before the rank's first compute + (the backward path or the gradient sum) after its last.
 
-    Under 1F1B a rank holding one stage also waits for its first backward: it runs at most
-    ``limit`` forwards (the schedule's in-flight limit) before the gradient of microbatch 0 has
-    made the round trip through every downstream stage, so the bound adds what of that round
-    trip the warm-up forwards cannot fill."""
+    Under 1F1B and GPipe each stage also waits for its first backward: it runs at most
+    ``limit`` forwards (the schedule's in-flight limit; all ``m`` under GPipe) before the
+    gradient of microbatch 0 has made the round trip through every downstream stage, and all
+    ``m`` backwards and the remaining forwards come after, so per stage: fill path + one
+    forward + round trip + the rest of its own work + (drain path or gradient sum)."""
     topo = layout.topology
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
@@ -416,11 +417,6 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
     for rank in range(layout.world_size):
         slots = layout.slots(rank)
         busy = sum(cost.m * (cost.forward(s.module, s.stage) + cost.backward(s.module, s.stage)) for s in slots)
-        if schedule == "1f1b" and len(slots) == 1 and slots[0].module not in no_backward:
-            slot = slots[0]
-            f = cost.forward(slot.module, slot.stage)
-            limit = min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
-            busy += max(0.0, f + trip[(slot.module, slot.stage)] - limit * f)
         # after the rank's last compute (some slot's last backward) come that slot's gradient
         # sum and, unless the backward is split (zero_bubble: the last compute may be a W that
         # nothing upstream waits for), the upstream backward path
@@ -428,6 +424,17 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
         if schedule != "zero_bubble":
             after = max(after, min(tail[(s.module, s.stage)] for s in slots))
         bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots) + after)
+        if schedule == "zero_bubble":
+            continue
+        for slot in slots:  # each stage's own chain: its first backward waits for the round trip
+            if slot.module in no_backward:
+                continue
+            key = (slot.module, slot.stage)
+            f, b = cost.forward(*key), cost.backward(*key)
+            limit = cost.m if schedule == "gpipe" else \
+                min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
+            own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
+            bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
     return bound
 
 
@@ -439,6 +446,7 @@ class _Evaluator:
         self.allow_recompute = allow_recompute
         self.schedules: dict = {}
         self.layouts: dict = {}
+        self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
         self.smallest_peak: Optional[tuple[float, str]] = None
 
     def choose_flags(self, structure: _Structure, m: int, schedule: str) -> Optional[tuple[dict, CostModel, float]]:
@@ -449,7 +457,7 @@ class _Evaluator:
         layout = self.collapsed(structure)  # replicas of a stage have equal costs, bounds and memory
         while True:
             placements = _placements(space, structure, flags=flags)
-            cost = CostModel(space.profile, placements, m, space.no_backward)
+            cost = CostModel(space.profile, placements, m, space.no_backward, memo=self.stage_costs)
             if space.memory_limit is None:
                 return flags, cost, _path_bound(cost, layout, schedule, space.no_backward)
             inflight = {(r, s.module): cost.inflight_bound(layout, s.module, s.stage, schedule)
