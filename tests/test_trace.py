@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
-from lightning_mmpp.actions import Compute
+from lightning_mmpp.actions import Compute, Exchange
 from lightning_mmpp.schedule import build_schedule
 from lightning_mmpp.trace import PHASE_SPANS
 from tests.dist import run_distributed
@@ -101,3 +101,28 @@ def test_every_forward_has_one_later_backward_and_follows_the_schedule(traced):
         for step in range(STEPS):
             got = [(e["name"], e["cat"], e["args"]["microbatch"]) for e in mine if e["args"]["step"] == step]
             assert got == [(PHASE_SPANS[p], m, k) for p, m, k in expected], (rank, step)
+
+
+@pytest.mark.timeout(90)
+def test_receives_in_flight_are_on_track_1_and_end_before_their_consumer(traced):
+    """Every cross-rank receive is one ``recv`` event on track 1, from its post to the moment its
+    consumer has it; waits are apart from the computes (the compute span starts after them)."""
+    trace_dir, layout = traced
+    events = [e for e in _load(os.path.join(trace_dir, "trace.json"))["traceEvents"] if e["ph"] == "X"]
+    recvs = [e for e in events if e["name"] == "recv"]
+    assert recvs and all(e["tid"] == 1 and e["cat"] == "transfer" for e in recvs)
+    assert all(e["tid"] == 0 for e in events if e["name"] != "recv")
+    compute = {(e["pid"], e["cat"], e["args"]["microbatch"], e["args"]["step"], e["name"]): e
+               for e in events if e["name"] in ("forward", "backward")}
+    for e in recvs:
+        a = e["args"]
+        assert a["direction"] in ("forward", "backward") and a["peer"] != e["pid"], e
+        consumer = a["dst"] if a["direction"] == "forward" else a["src"]
+        phase = "forward" if a["direction"] == "forward" else "backward"
+        user = compute[(e["pid"], consumer, a["microbatch"], a["step"], phase)]
+        assert e["ts"] + e["dur"] <= user["ts"] + 1.0, (e, user)  # 1 us of rounding
+    # one receive event per message a rank receives from another rank in the schedule, every step
+    schedule = build_schedule(layout, M, "1f1b")
+    per_step = sum(len({t.key for a in actions if isinstance(a, Exchange) for t in a.recvs})
+                   for actions in schedule.actions)
+    assert per_step > 0 and len(recvs) == per_step * STEPS
