@@ -20,7 +20,9 @@ the microbatch count and the global batch) to what the simulator and the memory 
   bridge between modules on the same ranks (colocated, or a ``pp=1`` module beside a stage)
   stays in the process and costs nothing;
 * the dp gradient sum after a stage's last backward: a ring all-reduce, ``2 (dp-1)/dp * bytes
-  / bandwidth`` (a reduce-scatter, half that, when sharded);
+  / bandwidth`` plus ``2 (dp-1) latency`` per 25 MiB bucket (a reduce-scatter, half that, per
+  layer, when sharded); the step ends with the loss and metrics all-reduced over every rank
+  (:func:`metrics_seconds`);
 * memory per rank: parameters, gradients and Adam state (``state_bytes_per_param_byte`` times
   the parameter bytes, 16 B per fp32 parameter; parameter bytes only for a frozen module; all
   of it / dp when sharded, plus one gathered layer), and the activations of the microbatches in
@@ -31,6 +33,7 @@ the microbatch count and the global batch) to what the simulator and the memory 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +43,8 @@ from lightning_mmpp.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
 
-__all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds"]
+__all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds",
+           "metrics_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -171,12 +175,24 @@ class ModelProfile:
         return frozenset(name for name, m in self.modules.items() if not m.trainable)
 
 
-def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float = 0.0, scatter_only: bool = False) -> float:
-    """Ring all-reduce (or reduce-scatter / all-gather with ``scatter_only``) of ``nbytes`` over ``group`` ranks."""
+def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float = 0.0, scatter_only: bool = False,
+                      collectives: int = 1) -> float:
+    """Ring all-reduce (or reduce-scatter / all-gather with ``scatter_only``) of ``nbytes`` over
+    ``group`` ranks, in ``collectives`` calls: each call's ring takes ``2 (group - 1)`` steps
+    (``group - 1`` with ``scatter_only``), each paying ``latency``."""
     if group <= 1 or nbytes <= 0:
         return 0.0
-    factor = (1.0 if scatter_only else 2.0) * (group - 1) / group
-    return factor * nbytes / bandwidth + latency
+    steps = (1 if scatter_only else 2) * (group - 1)
+    return steps / group * nbytes / bandwidth + collectives * steps * latency
+
+
+GRADIENT_BUCKET_BYTES = 25 * 2**20  # lightning_mmpp.data_parallel's bucket: one all-reduce each
+METRICS_BYTES = 64  # the step's loss and metrics, all-reduced once per step over every rank
+
+
+def metrics_seconds(profile: "ModelProfile", world_size: int) -> float:
+    """The once-per-step all-reduce of the loss and metrics over all ranks, after the pipeline."""
+    return allreduce_seconds(METRICS_BYTES, world_size, profile.bandwidth_bytes_per_s, profile.latency_s)
 
 
 @dataclass(frozen=True)
@@ -299,7 +315,9 @@ class CostModel:
         trainable_bytes = sum(layer.param_bytes for layer in layers if layer.trainable)
         dp = placement.dp
         bw, lat = profile.bandwidth_bytes_per_s, profile.latency_s
-        gather = allreduce_seconds(param_bytes, dp, bw, lat, scatter_only=True) if placement.shard else 0.0
+        sharded_layers = sum(1 for layer in layers if layer.param_bytes > 0)  # one FSDP2 unit per layer
+        gather = allreduce_seconds(param_bytes, dp, bw, lat, scatter_only=True,
+                                   collectives=sharded_layers) if placement.shard else 0.0
         if placement.recompute:
             backward += forward
             input_half += forward
@@ -310,7 +328,9 @@ class CostModel:
         else:
             backward = input_half = 0.0
         weight_half = max(0.0, backward - input_half)
-        sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard) if trains else 0.0
+        calls = sharded_layers if placement.shard else max(1, math.ceil(trainable_bytes / GRADIENT_BUCKET_BYTES))
+        sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard,
+                                 collectives=calls) if trains else 0.0
         state = param_bytes + trainable_bytes * (profile.state_bytes_per_param_byte - 1.0)
         biggest_layer = max((layer.param_bytes for layer in layers), default=0)
         static = state / dp + biggest_layer if placement.shard else state

@@ -36,7 +36,7 @@ from lightning_mmpp.actions import Phase
 from lightning_mmpp.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plan.costs import CostModel, LayerProfile, ModelProfile, ModuleProfile
+from lightning_mmpp.plan.costs import CostModel, LayerProfile, ModelProfile, ModuleProfile, metrics_seconds
 from lightning_mmpp.schedule import SCHEDULES, PhaseCosts, build_schedule
 from lightning_mmpp.simulator import DeadlockError, simulate
 
@@ -435,7 +435,8 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
                 min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
             own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
             bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
-    return bound
+    world = max(p.rank_offset + p.pp * p.dp for p in cost.placements.values())  # type: ignore[operator]
+    return bound + metrics_seconds(cost.profile, world)
 
 
 class _Evaluator:
@@ -546,6 +547,7 @@ class _Evaluator:
         step = result.step_time
         for (rank, module), end in last_backward.items():
             step = max(step, end + cost.stage(module, small.slot(rank, module).stage).sync_s)
+        step += metrics_seconds(space.profile, layout.world_size)
         inflight = {}
         weights = []
         for rank in range(layout.world_size):
