@@ -197,3 +197,24 @@ def test_profile_model_on_the_test_model():
         p.numel() * p.element_size() for p in model.llm[0].parameters())
     assert profile.modules["llm"].layers[0].activation_bytes_per_sample > 0
     assert plan_placements(profile, 4, top_k=1)[0].step_time_s > 0
+
+
+def test_collectives_pay_latency_per_ring_step_and_bridges_on_the_same_ranks_are_free():
+    from lightning_mmpp.plan.costs import CostModel, allreduce_seconds, metrics_seconds
+
+    assert allreduce_seconds(8e9, 1, 1e9, 0.5) == 0.0
+    assert allreduce_seconds(8e9, 4, 1e9, 0.5) == pytest.approx(2 * 3 / 4 * 8 + 6 * 0.5)
+    assert allreduce_seconds(8e9, 4, 1e9, 0.5, scatter_only=True, collectives=3) == pytest.approx(3 / 4 * 8 + 9 * 0.5)
+    profile = heterogeneous()
+    profile.latency_s = 1e-3
+    # 200 MiB per LM layer, 4 layers per stage, fp32 grads summed in 25 MiB buckets: 32 calls
+    placements = {"vision": ModulePlacement(dp=2, rank_offset=0), "audio": ModulePlacement(dp=2, rank_offset=0),
+                  "llm": ModulePlacement(pp=2, dp=2, rank_offset=0)}
+    cost = CostModel(profile, placements, 4)
+    lm_bytes = 4 * 200 * MB
+    assert cost.stage("llm", 0).sync_s == pytest.approx(lm_bytes / profile.bandwidth_bytes_per_s + 32 * 2 * 1e-3)
+    assert metrics_seconds(profile, 8) == pytest.approx(64 * 2 * 7 / 8 / profile.bandwidth_bytes_per_s + 14 * 1e-3)
+    # the encoders sit beside the LM's first stage (same ranks): their bridges cost nothing
+    assert cost.received_seconds("llm", 0) == 0.0
+    apart = CostModel(profile, {**placements, "llm": ModulePlacement(pp=2, dp=2, rank_offset=2)}, 4)
+    assert apart.received_seconds("llm", 0) > 2 * profile.latency_s
