@@ -46,7 +46,9 @@ sizes equal raises instead of silently mixing up data. With NCCL, run one collec
 first collective (see ``torch.distributed.batch_isend_irecv``).
 
 Send completion: the send works of a post are kept (with their buffers) and waited at the
-start of the next post or by :meth:`MultiModuleCommunicator.wait_sends`.
+start of the next post or by :meth:`MultiModuleCommunicator.wait_sends`. A channel packs its
+next message into its previous send buffer; on CPU a receive goes into a buffer of the channel
+that nothing references any more (:class:`_ReceiveBuffers`).
 
 Same-rank peers (colocated modules) move no bytes: the payload object is handed over with every
 tensor leaf detached (``requires_grad`` kept), and gradients are handed back as objects.
@@ -155,8 +157,13 @@ class _Incoming:
         self.buffer: Optional[torch.Tensor] = None
         self.done = False
 
-    def next_buffer(self, device: torch.device) -> torch.Tensor:
+    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def channel_slot(self) -> tuple[int, Direction, str, str]:
+        """(peer, direction, src module, dst module): the channel whose buffers this reuses."""
+        return (self.peer, self.key.direction, self.key.src_module, self.key.dst_module)
 
     def scalars(self) -> Optional[torch.Tensor]:
         """The int64 values of the received buffer the state machine needs on the host."""
@@ -195,10 +202,10 @@ class _ForwardIncoming(_Incoming):
         self.part = _Part.DATA if cached is not None else _Part.LENGTH
         self.spec_len = 0
 
-    def next_buffer(self, device: torch.device) -> torch.Tensor:
+    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
-            self.buffer = torch.empty(self.spec.data_layout.nbytes, dtype=torch.uint8, device=device)
+            self.buffer = pool.get(self.channel_slot, self.spec.data_layout.nbytes, device)
         elif self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
         else:
@@ -243,8 +250,8 @@ class _BackwardIncoming(_Incoming):
         self.spec = spec
         self.layout: BufferLayout = spec.grad_layout
 
-    def next_buffer(self, device: torch.device) -> torch.Tensor:
-        self.buffer = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=device)
+    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
+        self.buffer = pool.get(self.channel_slot, self.layout.nbytes, device)
         return self.buffer
 
     def scalars(self) -> Optional[torch.Tensor]:
@@ -257,6 +264,47 @@ class _BackwardIncoming(_Incoming):
         if flag != FLAG_DATA:
             raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
         self.done = True
+
+
+class _ReceiveBuffers:
+    """Receive buffers per channel and size, reused once nothing references them (CPU only).
+
+    A received payload is a set of views into its buffer and lives as long as the stage keeps
+    it (until its backward). A pooled buffer is lent as a fresh view of itself, so while the
+    message, its payload or anything derived from it by views exists, the buffer's storage has
+    more users than the pool's own tensor; only a buffer without them is lent again. Each
+    channel keeps at most as many buffers as it ever had in use at once (the step's own peak;
+    capped at :data:`MAX_POOLED`). Reusing saves the page faults of a fresh allocation (16 MiB:
+    2.0 ms to allocate and fill vs 0.6 ms to refill on the 2-core CI machine). On accelerators
+    the caching allocator already reuses memory (and knows the streams still using it), so
+    buffers come from ``torch.empty`` there.
+    """
+
+    MAX_POOLED = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
+        self.buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    @staticmethod
+    def _unused(buffer: torch.Tensor) -> bool:
+        # users of the storage: the pool's tensor and the temporary storage object of this call
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+    def get(self, slot: tuple[Any, ...], nbytes: int, device: torch.device) -> torch.Tensor:
+        if not self.enabled:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pool = self.buffers.setdefault((slot, nbytes), [])
+        for buffer in pool:
+            if self._unused(buffer):
+                return buffer.view(-1)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if len(pool) < self.MAX_POOLED:
+            pool.append(buffer)
+        return buffer.view(-1)
+
+    def clear(self) -> None:
+        self.buffers.clear()
 
 
 class _Origin(enum.Enum):
@@ -324,6 +372,7 @@ class MultiModuleCommunicator:
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str], torch.Tensor] = {}
+        self._recv_buffers = _ReceiveBuffers(self.device)
         self._packed: set[tuple[int, Direction, str, str]] = set()
 
     # --- public API ----------------------------------------------------------------------
@@ -705,7 +754,7 @@ class MultiModuleCommunicator:
         return groups
 
     def _recv_op(self, msg: _Incoming) -> dist.P2POp:
-        buffer = msg.next_buffer(self.device)
+        buffer = msg.next_buffer(self.device, self._recv_buffers)
         self.stats.messages_received += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
         return dist.P2POp(dist.irecv, buffer, msg.peer, self.group)

@@ -142,3 +142,40 @@ def test_a_channel_packs_into_the_same_send_buffer_once_its_send_completed():
     sender, receiver = run_distributed(_reuse, 2, timeout=60)
     assert receiver["ok"] == [True] * 4
     assert len(set(sender["pointers"][1:])) == 1, sender["pointers"]  # the first message allocates it
+
+
+def _recv_reuse(rank: int, world: int) -> dict:
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    keys = [MessageKey(F, "a", "a", k) for k in range(4)]
+    values = [torch.full((64, 64), float(k)) for k in range(4)]
+    out: dict = {}
+    if rank == 0:
+        for key, value in zip(keys, values):
+            comm.post({key: value}, [])
+        comm.wait_sends()
+        return out
+    pointers = []
+    kept = None
+    for k, key in enumerate(keys):
+        comm.post({}, [key])
+        payload = comm.take(key)
+        pointers.append(payload.data_ptr())
+        out[f"ok{k}"] = torch.equal(payload, values[k])
+        if k == 0:
+            kept = payload  # still held: its buffer must not be lent again
+        del payload
+    out["kept_intact"] = torch.equal(kept, values[0])
+    out["pointers"] = pointers
+    out["pooled"] = [len(buffers) for buffers in comm._recv_buffers.buffers.values()]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_channel_receives_into_a_buffer_nothing_references_any_more():
+    _, receiver = run_distributed(_recv_reuse, 2, timeout=60)
+    assert all(receiver[f"ok{k}"] for k in range(4)) and receiver["kept_intact"]
+    first, *later = receiver["pointers"]
+    assert first not in later  # the payload of message 0 is alive: its buffer stays its own
+    assert len(set(later)) == 1, receiver["pointers"]  # 1, 2, 3 reuse one buffer, freed each time
+    assert receiver["pooled"] == [2]  # the channel's peak: message 0's buffer and the reused one
