@@ -89,9 +89,11 @@ class TorchPipeline:
 
 def worker_chain(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
     ours = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    static = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE, static_specs=True)
     theirs = TorchPipeline(rank, world, m, tf, tb)
     runs = {
         "ours 1f1b": lambda: ours.step("1f1b")[0],
+        "ours 1f1b static": lambda: static.step("1f1b")[0],
         "torch 1f1b": lambda: theirs.step("1f1b"),
         "ours gpipe": lambda: ours.step("gpipe")[0],
         "torch gpipe": lambda: theirs.step("gpipe"),
@@ -176,6 +178,10 @@ def main() -> None:
                 rows.append((f"{who} {sched}", ideal * 1e3, t * 1e3, t / ideal if ideal else "-",
                              ours / theirs if who == "ours" else ""))
             summary.append((f"chain P={p} {sched}", ours / theirs))
+            if sched == "1f1b":  # static_shapes: headers checked once per step
+                t = median(times["ours 1f1b static"])
+                rows.append(("ours 1f1b static", ideal * 1e3, t * 1e3, t / ideal if ideal else "-", t / theirs))
+                summary.append((f"chain P={p} 1f1b static_shapes", t / theirs))
         print(table(["run", "ideal ms", "step ms", "step/ideal", "ours/torch"], rows))
 
     section("Two encoders -> LM: ours side by side (depth 4) vs torch chained (5 stages)")

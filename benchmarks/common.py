@@ -161,10 +161,12 @@ class OurPipeline:
 
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
                  mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0,
-                 tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False) -> None:
+                 tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False,
+                 static_specs: bool = False) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
         (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
-        ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.runtime.PipelineRuntime`)."""
+        ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.runtime.PipelineRuntime`);
+        ``static_specs``: the communicator's (headers checked once per step)."""
         self.layout, self.rank, self.m = layout, rank, m
 
         def stage() -> nn.Module:
@@ -176,7 +178,7 @@ class OurPipeline:
             slot.module: StageRunner(slot.module, slot.stage, [stage()], ["0"]) for slot in layout.slots(rank)
         }
         self.tracer = Tracer(rank) if trace else None
-        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static_specs)
         self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer,
                                        overlap=overlap)
         self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe", "zero_bubble")}

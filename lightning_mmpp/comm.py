@@ -160,6 +160,10 @@ class _Incoming:
     def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
         raise NotImplementedError
 
+    def steady(self) -> bool:
+        """Whether the received buffer is the whole message when the spec did not change."""
+        return False
+
     @property
     def channel_slot(self) -> tuple[int, Direction, str, str]:
         """(peer, direction, src module, dst module): the channel whose buffers this reuses."""
@@ -212,6 +216,9 @@ class _ForwardIncoming(_Incoming):
             self.buffer = torch.empty(self.spec_len, dtype=torch.uint8, device=device)
         return self.buffer
 
+    def steady(self) -> bool:
+        return self.part is _Part.DATA
+
     def scalars(self) -> Optional[torch.Tensor]:
         assert self.buffer is not None
         if self.part in (_Part.DATA, _Part.NEW_DATA):
@@ -254,6 +261,9 @@ class _BackwardIncoming(_Incoming):
         self.buffer = pool.get(self.channel_slot, self.layout.nbytes, device)
         return self.buffer
 
+    def steady(self) -> bool:
+        return True
+
     def scalars(self) -> Optional[torch.Tensor]:
         assert self.buffer is not None
         return self.buffer[:HEADER_BYTES].view(torch.int64)
@@ -264,6 +274,12 @@ class _BackwardIncoming(_Incoming):
         if flag != FLAG_DATA:
             raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
         self.done = True
+
+
+def _leaves(spec: PayloadSpec) -> str:
+    """A spec's tensor leaves as ``[dtype shape, ...]`` for messages."""
+    return "[" + ", ".join("None" if m is None else f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}"
+                           for m in spec.leaves) + "]"
 
 
 class _ReceiveBuffers:
@@ -340,10 +356,19 @@ class MultiModuleCommunicator:
             for NCCL).
         group: the process group for P2P (``None``: the default group). Peers are addressed by
             global rank.
+        static_specs: every message of a channel keeps the first message's spec (shapes,
+            dtypes, structure), as ``torch.distributed.pipelining`` and Megatron assume. Then a
+            received buffer's header is not read where the payload is taken (on an accelerator
+            that read is a host synchronisation per message): the headers of the step are
+            checked together by :meth:`check_deferred_headers`, one read per step. A sender
+            whose spec changes raises :class:`~lightning_mmpp.errors.PipelineConfigError`
+            before anything is posted. The first message of a channel still carries its spec.
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, device: torch.device,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, static_specs: bool = False) -> None:
+        if not isinstance(static_specs, bool):
+            raise PipelineConfigError(f"static_specs={static_specs!r}: give True or False.")
         if not isinstance(layout, PipelineLayout):
             raise TypeError(f"layout must be a PipelineLayout, got {type(layout).__name__}")
         if not 0 <= rank < layout.world_size:
@@ -373,6 +398,9 @@ class MultiModuleCommunicator:
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str], torch.Tensor] = {}
         self._recv_buffers = _ReceiveBuffers(self.device)
+        self.static_specs = static_specs
+        # static_specs: (key, peer, header view) of the messages taken unread this step
+        self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
         self._packed: set[tuple[int, Direction, str, str]] = set()
 
     # --- public API ----------------------------------------------------------------------
@@ -476,7 +504,28 @@ class MultiModuleCommunicator:
     def drop_transfers(self) -> None:
         """Forget every send and receive in flight (after a failure: the works hold the process
         group, which must be able to close)."""
-        self._pending_sends, self._inbox, self._open = [], {}, {}
+        self._pending_sends, self._inbox, self._open, self._deferred = [], {}, {}, []
+
+    def check_deferred_headers(self) -> None:
+        """With ``static_specs``: check the headers of every message taken unread since the last
+        call, with one host read for all of them (the runtime calls it at the end of a step).
+
+        Raises:
+            RuntimeError: a header is not a data header of the expected message (the ranks
+                issued their exchanges in different orders, or a peer's spec changed).
+        """
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        flat = torch.cat([header for _, _, header in deferred]).tolist()
+        for i, (key, peer, _) in enumerate(deferred):
+            flag, tag = flat[2 * i], flat[2 * i + 1]
+            if flag != FLAG_DATA or tag != message_tag(key):
+                raise RuntimeError(
+                    f"rank {self.rank} took '{_describe(key)}' from rank {peer} unread (static_shapes) and its "
+                    f"header says flag {flag}, tag {tag} (expected {FLAG_DATA}, {message_tag(key)}): the two ranks "
+                    "exchanged different messages or in a different order, or the peer's payload changed."
+                )
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
@@ -572,6 +621,13 @@ class MultiModuleCommunicator:
             channel = (self.rank, peer.rank, key.src_module, key.dst_module)
             cached = self._send_cache.get(channel)
             if cached != spec:
+                if cached is not None and self.static_specs:
+                    raise PipelineConfigError(
+                        f"rank {self.rank}: {where} to rank {peer.rank} changed from {_leaves(cached)} to "
+                        f"{_leaves(spec)} (microbatch {key.microbatch}), but static_shapes=True: every microbatch "
+                        "must send the same shapes and dtypes. Pad to fixed shapes, or pass static_shapes=False "
+                        "to MultiModulePipelineStrategy (a changed spec is then sent along)."
+                    )
                 if cached is not None:
                     parts.append(pack_header(cached.data_layout.nbytes, self.device, FLAG_STALE, message_tag(key)))
                 blob = spec.to_bytes()
@@ -776,6 +832,16 @@ class MultiModuleCommunicator:
             self.stats.rounds += 1
 
     def _advance(self, recvs: Sequence[_Incoming]) -> None:
+        if self.static_specs:  # steady-state messages are whole as received; headers read per step
+            unread = [m for m in recvs if m.steady()]
+            for msg in unread:
+                header = msg.scalars()
+                assert header is not None
+                self._deferred.append((msg.key, msg.peer, header))
+                msg.done = True
+            recvs = [m for m in recvs if not m.done]
+            if not recvs:
+                return
         views = [m.scalars() for m in recvs]
         present = [v for v in views if v is not None]
         flat: list[int] = torch.cat(present).tolist() if present else []  # one host sync for all headers

@@ -383,6 +383,11 @@ class PipelineRuntime:
                 raise
         for module in finished:
             self.gradient_sync.after_last_backward(module)
+        try:  # static_specs: the headers of the messages taken unread, one host read per step
+            self.comm.check_deferred_headers()
+        except RuntimeError as err:
+            self.failures.publish_exception(err, None)
+            raise
         assert not step.posted, f"receives posted and never consumed: {step.posted}"
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result

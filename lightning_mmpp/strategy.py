@@ -106,6 +106,11 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
             SLURM's requeue signal): every rank stops at the next step boundary, saves it there
             and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.preemption`).
+        static_shapes: promise that every microbatch sends the same shapes and dtypes across
+            each stage boundary and bridge (training and evaluation alike: drop or pad a last
+            smaller batch). Received headers are then checked once per step instead of where
+            each payload is taken, which on a GPU removes a host synchronisation per received
+            message. A changed shape raises a ``PipelineConfigError`` on the sending rank.
     """
 
     strategy_name = "multimodule_pipeline"
@@ -129,6 +134,7 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         trace_dir: Optional[str] = None,
         pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
         preemption_checkpoint: Optional[str] = None,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -140,6 +146,9 @@ class MultiModulePipelineStrategy(ParallelStrategy):
         check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
         if start_method not in ("popen", "spawn", "fork"):
             raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
+        if not isinstance(static_shapes, bool):
+            raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")
+        self.static_shapes = static_shapes
         self._placements = placements
         # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
         self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
@@ -365,7 +374,8 @@ class MultiModulePipelineStrategy(ParallelStrategy):
             self._tie_groups = tie_groups(self.layout, self._partition.tied, self._timeout)
         self._metrics = MetricReducer(self.world_size, self.root_device)
         self._predictions = SinkOutputGatherer(self.layout, self.global_rank, self.root_device, self.world_size)
-        self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device)
+        self._comm = MultiModuleCommunicator(self.layout, self.global_rank, self.root_device,
+                                             static_specs=self.static_shapes)
         self._failures = FailureBoard(self.layout, self.global_rank, self.world_size)
         self._failures.attach()
         self._install_preemption(trainer)

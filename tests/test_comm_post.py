@@ -95,26 +95,68 @@ def _runtime_grads(rank: int, world: int) -> dict:
     layout = PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=2)}, {"enc": ["llm"], "llm": []})
     data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     out: dict = {}
-    for overlap in (True, False):
+    for overlap, static in ((True, False), (False, False), (True, True)):
         torch.manual_seed(0)
         stages = {"enc": nn.Linear(8, 8), "llm": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))}
         slot = layout.slots(rank)[0]
         layer = stages[slot.module] if slot.module == "enc" else stages["llm"][slot.stage]
         runner = StageRunner(slot.module, slot.stage, [layer], ["0"])
-        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static)
         runtime = PipelineRuntime(layout, rank, comm, {slot.module: runner}, _Hooks(), overlap=overlap)
         for name in ("1f1b", "gpipe", "zero_bubble"):
             runtime.run(build_schedule(layout, 6, name), lambda module, k: data[k])
             comm.wait_sends()
-        out[overlap] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        out[(overlap, static)] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        out[("metadata", static)] = comm.stats.metadata_exchanges
     return out
 
 
 @pytest.mark.timeout(60)
 def test_overlapped_runtime_matches_blocking():
+    """... and with static shapes (headers checked once per step) too."""
     for rank, out in enumerate(run_distributed(_runtime_grads, 3, timeout=60)):
-        assert out[True].keys() == out[False].keys()
-        assert all(torch.equal(out[True][n], out[False][n]) for n in out[False]), rank
+        blocking = out[(False, False)]
+        for mode in ((True, False), (True, True)):
+            assert out[mode].keys() == blocking.keys()
+            assert all(torch.equal(out[mode][n], blocking[n]) for n in blocking), (rank, mode)
+        assert out[("metadata", True)] == out[("metadata", False)]  # only the first message of a channel
+
+
+def _static(rank: int, world: int) -> dict:
+    from lightning_mmpp.errors import PipelineConfigError
+
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=True)
+    key = [MessageKey(F, "a", "a", k) for k in range(4)]
+    out: dict = {}
+    if rank == 0:
+        comm.post({key[0]: torch.ones(4, 3)}, [])
+        comm.post({key[1]: torch.full((4, 3), 2.0)}, [])
+        try:  # a changed shape raises before anything is posted
+            comm.post({key[2]: torch.ones(5, 3)}, [])
+        except PipelineConfigError as err:
+            out["error"] = str(err)
+        comm.wait_sends()
+        return out
+    comm.post({}, [key[0]])
+    out["first"] = torch.equal(comm.take(key[0]), torch.ones(4, 3))
+    comm.check_deferred_headers()  # the first message of the channel was read: nothing deferred
+    comm.post({}, [key[3]])  # the peer sent microbatch 1: same size, so only the header tells
+    out["taken"] = comm.take(key[3]).sum().item()
+    try:
+        comm.check_deferred_headers()
+    except RuntimeError as err:
+        out["mismatch"] = str(err)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_static_shapes_refuse_a_changed_shape_and_check_headers_once_per_step():
+    sender, receiver = run_distributed(_static, 2, timeout=60)
+    assert "changed from [float32[4, 3]] to [float32[5, 3]]" in sender["error"]
+    assert "static_shapes=False" in sender["error"]
+    assert receiver["first"] and receiver["taken"] == 24.0  # taken unread: microbatch 1's data
+    assert "exchanged different messages or in a different order" in receiver["mismatch"]
 
 
 def _reuse(rank: int, world: int) -> dict:

@@ -83,11 +83,13 @@ class _FinalParameters(L.Callback):
                        for n, p in pl_module.named_parameters()}
 
 
-def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip, schedules=SCHEDULES, freeze=()):
+def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip, schedules=SCHEDULES, freeze=(),
+               static_shapes=False):
     out = {}
     for schedule in schedules:
         model = MultiModalModel(topology, optimizer=optimizer, freeze=freeze)
-        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, schedule=schedule)
+        strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, schedule=schedule,
+                                               static_shapes=static_shapes)
         final = _FinalParameters()
         trainer = L.Trainer(**_trainer_kwargs(world, STEPS), strategy=strategy, gradient_clip_val=clip,
                             callbacks=[final])
@@ -133,6 +135,19 @@ def test_pipeline_matches_single_process_with_gradient_clipping(layout):
     reference = _reference(topology, batch_size, "adam", 0.05)
     per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "adam", 0.05,
                                timeout=180, init_pg=False)
+    _check(per_rank, reference)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["fanin_enc_dp2-llm", "2enc_colocated-llm_pp2"])
+def test_static_shapes_match_single_process(layout):
+    """``static_shapes=True``: headers checked once per step instead of per received message."""
+    topology, placements, m, batch_size = LAYOUTS[layout]
+    world = MultiModulePipelineStrategy(placements, topology, m).layout.world_size
+    require_ranks(world)
+    reference = _reference(topology, batch_size, "adam", 0.05)
+    per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "adam", 0.05, SCHEDULES, (),
+                               True, timeout=180, init_pg=False)
     _check(per_rank, reference)
 
 
