@@ -283,24 +283,26 @@ def _leaves(spec: PayloadSpec) -> str:
 
 
 class _ReceiveBuffers:
-    """Receive buffers per channel and size, reused once nothing references them (CPU only).
+    """Receive buffers per channel, reused once nothing references them (CPU only).
 
     A received payload is a set of views into its buffer and lives as long as the stage keeps
     it (until its backward). A pooled buffer is lent as a fresh view of itself, so while the
     message, its payload or anything derived from it by views exists, the buffer's storage has
     more users than the pool's own tensor; only a buffer without them is lent again. Each
-    channel keeps at most as many buffers as it ever had in use at once (the step's own peak;
-    capped at :data:`MAX_POOLED`). Reusing saves the page faults of a fresh allocation (16 MiB:
-    2.0 ms to allocate and fill vs 0.6 ms to refill on the 2-core CI machine). On accelerators
-    the caching allocator already reuses memory (and knows the streams still using it), so
-    buffers come from ``torch.empty`` there.
+    channel keeps buffers of its latest message size only, at most as many as it ever had in
+    use at once (the step's own peak; capped at :data:`MAX_POOLED`). Reusing saves the page
+    faults of a fresh allocation (16 MiB: 2.0 ms to allocate and fill vs 0.6 ms to refill on
+    the 2-core CI machine). On accelerators the caching allocator already reuses memory (and
+    knows the streams still using it), so buffers come from ``torch.empty`` there.
     """
 
     MAX_POOLED = 64
 
     def __init__(self, device: torch.device) -> None:
         self.enabled = device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
-        self.buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        # per channel: the size of its last message and the buffers of that size (a new size
+        # drops them, so variable shapes cannot pile up buffers of every size seen)
+        self.buffers: dict[tuple[Any, ...], tuple[int, list[torch.Tensor]]] = {}
 
     @staticmethod
     def _unused(buffer: torch.Tensor) -> bool:
@@ -310,7 +312,10 @@ class _ReceiveBuffers:
     def get(self, slot: tuple[Any, ...], nbytes: int, device: torch.device) -> torch.Tensor:
         if not self.enabled:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        pool = self.buffers.setdefault((slot, nbytes), [])
+        size, pool = self.buffers.get(slot, (-1, []))
+        if size != nbytes:
+            pool = []
+            self.buffers[slot] = (nbytes, pool)
         for buffer in pool:
             if self._unused(buffer):
                 return buffer.view(-1)

@@ -44,6 +44,7 @@ def _run(rank: int, world: int) -> dict:
         out["posted_left"] = comm.posted()
     comm.wait_sends()
     out["metadata"] = comm.stats.metadata_exchanges
+    out["pooled_sizes"] = [size for size, _ in comm._recv_buffers.buffers.values()]
     return out
 
 
@@ -55,6 +56,8 @@ def test_takes_in_any_order_across_posts_with_changing_specs():
     assert {k: torch.equal(g, torch.full(SHAPES[k], float(k))) for k, g in sender["grads"].items()} == \
         {k: True for k in SHAPES}
     assert sender["metadata"] == receiver["metadata"] == 3  # first use, then the changes at 1 and 3
+    # one receive channel per rank (forward on 1, backward on 0): buffers of one size kept, not of every size
+    assert len(sender["pooled_sizes"]) == len(receiver["pooled_sizes"]) == 1
 
 
 def _misuse(rank: int, world: int) -> list:
@@ -209,7 +212,7 @@ def _recv_reuse(rank: int, world: int) -> dict:
         del payload
     out["kept_intact"] = torch.equal(kept, values[0])
     out["pointers"] = pointers
-    out["pooled"] = [len(buffers) for buffers in comm._recv_buffers.buffers.values()]
+    out["pooled"] = [len(buffers) for _, buffers in comm._recv_buffers.buffers.values()]
     return out
 
 
