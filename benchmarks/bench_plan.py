@@ -85,35 +85,13 @@ def worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: i
     run the median step time (slowest rank, barrier before each step)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    from benchmarks.common import SleepHooks
+    from benchmarks.common import PerSampleSleepStage, SleepHooks
     from lightning_mmpp.comm import MultiModuleCommunicator
     from lightning_mmpp.partition import StageRunner
     from lightning_mmpp.plan.costs import CostModel
     from lightning_mmpp.runtime import PipelineRuntime
     from lightning_mmpp.schedule import build_schedule
-
-    class SampleSleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
-            ctx.tb = tb * x.shape[0]
-            time.sleep(tf * x.shape[0])
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            time.sleep(ctx.tb)
-            return grad, None, None
-
-    class Layer(nn.Module):
-        def __init__(self, tf: float, tb: float) -> None:
-            super().__init__()
-            self.tf, self.tb = tf, tb
-            self.scale = nn.Parameter(torch.ones(()))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return SampleSleep.apply(x * self.scale, self.tf, self.tb)
 
     medians = []
     for plan, profile in runs:
@@ -125,7 +103,7 @@ def worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: i
             prof = profile.modules[slot.module].layers
             span = cost.ranges(slot.module)[slot.stage]
             runners[slot.module] = StageRunner(slot.module, slot.stage,
-                                               [Layer(prof[i].forward_s / per, prof[i].backward_s / per) for i in span],
+                                               [PerSampleSleepStage(prof[i].forward_s / per, prof[i].backward_s / per) for i in span],
                                                [str(i) for i in span])
         comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
         runtime = PipelineRuntime(layout, rank, comm, runners, SleepHooks())
@@ -161,35 +139,15 @@ def lightning_worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]]
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from benchmarks.common import PerSampleSleepStage
     from lightning_mmpp import MultiModulePipelineStrategy
-
-    class SampleSleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
-            ctx.tb = tb * x.shape[0]
-            time.sleep(tf * x.shape[0])
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            time.sleep(ctx.tb)
-            return grad, None, None
-
-    class Layer(nn.Module):
-        def __init__(self, tf: float, tb: float) -> None:
-            super().__init__()
-            self.tf, self.tb = tf, tb
-            self.scale = nn.Parameter(torch.ones(()))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return SampleSleep.apply(x * self.scale, self.tf, self.tb)
 
     class SleepModel(L.LightningModule):
         def __init__(self, profile: ModelProfile) -> None:
             super().__init__()
             per = profile.profile_batch_size
             for name, module in profile.modules.items():
-                setattr(self, name, nn.Sequential(*[Layer(x.forward_s / per, x.backward_s / per) for x in module.layers]))
+                setattr(self, name, nn.Sequential(*[PerSampleSleepStage(x.forward_s / per, x.backward_s / per) for x in module.layers]))
 
         def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
             return batch[0] if not upstream else sum(upstream[n] for n in sorted(upstream))

@@ -59,6 +59,15 @@ class SleepStage(nn.Module):
         return Sleep.apply(x * self.scale, self.tf, self.tb)
 
 
+class PerSampleSleepStage(SleepStage):
+    """A layer costing ``tf`` / ``tb`` seconds per sample of its input (dim 0): its time scales
+    with the microbatch and dp shard it gets, as a real layer's does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return Sleep.apply(x * self.scale, self.tf * n, self.tb * n)
+
+
 class SleepOnBackward(torch.autograd.Function):
     """Identity whose forward costs nothing and whose backward sleeps ``tb`` seconds."""
 

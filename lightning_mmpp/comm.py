@@ -166,8 +166,8 @@ class _Incoming:
 
     @property
     def channel_slot(self) -> tuple[int, Direction, str, str]:
-        """(peer, direction, src module, dst module): the channel whose buffers this reuses."""
-        return (self.peer, self.key.direction, self.key.src_module, self.key.dst_module)
+        """The channel whose receive buffers this reuses."""
+        return _buffer_slot(self.peer, self.key)
 
     def scalars(self) -> Optional[torch.Tensor]:
         """The int64 values of the received buffer the state machine needs on the host."""
@@ -276,6 +276,11 @@ class _BackwardIncoming(_Incoming):
         self.done = True
 
 
+def _buffer_slot(peer: int, key: MessageKey) -> tuple[int, Direction, str, str]:
+    """(peer, direction, src module, dst module): the channel a send or receive buffer is kept for."""
+    return (peer, key.direction, key.src_module, key.dst_module)
+
+
 def _leaves(spec: PayloadSpec) -> str:
     """A spec's tensor leaves as ``[dtype shape, ...]`` for messages."""
     return "[" + ", ".join("None" if m is None else f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}"
@@ -323,9 +328,6 @@ class _ReceiveBuffers:
         if len(pool) < self.MAX_POOLED:
             pool.append(buffer)
         return buffer.view(-1)
-
-    def clear(self) -> None:
-        self.buffers.clear()
 
 
 class _Origin(enum.Enum):
@@ -707,14 +709,14 @@ class MultiModuleCommunicator:
         """The packed buffer of the last message on this (peer, direction, edge) channel, to
         pack into again: free, since a post first waits for the previous posts' sends; not one
         already used in this post."""
-        slot = (peer, key.direction, key.src_module, key.dst_module)
+        slot = _buffer_slot(peer, key)
         buffer = self._send_buffers.get(slot)
         if buffer is None or slot in self._packed or buffer.numel() != nbytes:
             return None
         return buffer
 
     def _keep_send_buffer(self, peer: int, key: MessageKey, buffer: torch.Tensor) -> None:
-        slot = (peer, key.direction, key.src_module, key.dst_module)
+        slot = _buffer_slot(peer, key)
         self._send_buffers[slot] = buffer
         self._packed.add(slot)
 

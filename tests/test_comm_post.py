@@ -17,14 +17,19 @@ F, B = Direction.FORWARD, Direction.BACKWARD
 SHAPES = {0: (2, 3), 1: (4, 3), 2: (4, 3), 3: (2, 3), 4: (2, 3)}  # 1 and 3 change the channel's spec
 
 
+def _two_stages(rank: int, static_specs: bool = False) -> MultiModuleCommunicator:
+    """This rank's communicator on a module ``a`` in two stages (ranks 0 and 1)."""
+    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
+    return MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static_specs)
+
+
 def _value(k: int) -> dict:
     torch.manual_seed(k)
     return {"h": torch.randn(*SHAPES[k], requires_grad=True), "k": torch.tensor([k])}
 
 
 def _run(rank: int, world: int) -> dict:
-    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
-    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    comm = _two_stages(rank)
     fwd = {k: MessageKey(F, "a", "a", k) for k in SHAPES}
     bwd = {k: MessageKey(B, "a", "a", k) for k in SHAPES}
     posts = [[0], [1], [2, 3], [4]]  # microbatches per post; 2 and 3 share one
@@ -61,8 +66,7 @@ def test_takes_in_any_order_across_posts_with_changing_specs():
 
 
 def _misuse(rank: int, world: int) -> list:
-    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
-    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    comm = _two_stages(rank)
     errors = []
     try:
         comm.take(MessageKey(F, "a", "a", 0))
@@ -128,8 +132,7 @@ def test_overlapped_runtime_matches_blocking():
 def _static(rank: int, world: int) -> dict:
     from lightning_mmpp.errors import PipelineConfigError
 
-    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
-    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=True)
+    comm = _two_stages(rank, static_specs=True)
     key = [MessageKey(F, "a", "a", k) for k in range(4)]
     out: dict = {}
     if rank == 0:
@@ -163,8 +166,7 @@ def test_static_shapes_refuse_a_changed_shape_and_check_headers_once_per_step():
 
 
 def _reuse(rank: int, world: int) -> dict:
-    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
-    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    comm = _two_stages(rank)
     keys = [MessageKey(F, "a", "a", k) for k in range(4)]
     values = [torch.full((64, 64), float(k)) for k in range(4)]
     out: dict = {}
@@ -190,8 +192,7 @@ def test_a_channel_packs_into_the_same_send_buffer_once_its_send_completed():
 
 
 def _recv_reuse(rank: int, world: int) -> dict:
-    layout = PipelineLayout({"a": ModulePlacement(pp=2)}, {"a": []})
-    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    comm = _two_stages(rank)
     keys = [MessageKey(F, "a", "a", k) for k in range(4)]
     values = [torch.full((64, 64), float(k)) for k in range(4)]
     out: dict = {}

@@ -36,7 +36,7 @@ from lightning_mmpp.actions import Phase
 from lightning_mmpp.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plan.costs import CostModel, LayerProfile, ModelProfile, ModuleProfile, metrics_seconds
+from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, metrics_seconds
 from lightning_mmpp.schedule import SCHEDULES, PhaseCosts, build_schedule
 from lightning_mmpp.simulator import DeadlockError, simulate
 
@@ -388,8 +388,9 @@ def _dp_ok(placements: dict[str, ModulePlacement], topology: dict[str, list[str]
 
 def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
                 no_backward: frozenset[str] = frozenset()) -> float:
-    """A lower bound of the simulated step, maximised over ranks: busy time + the forward path
-    before the rank's first compute + (the backward path or the gradient sum) after its last.
+    """A lower bound of the simulated step (without the step's closing metrics all-reduce),
+    maximised over ranks: busy time + the forward path before the rank's first compute + (the
+    backward path or the gradient sum) after its last.
 
     Under 1F1B and GPipe each stage also waits for its first backward: it runs at most
     ``limit`` forwards (the schedule's in-flight limit; all ``m`` under GPipe) before the
@@ -435,8 +436,7 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
                 min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
             own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
             bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
-    world = max(p.rank_offset + p.pp * p.dp for p in cost.placements.values())  # type: ignore[operator]
-    return bound + metrics_seconds(cost.profile, world)
+    return bound
 
 
 class _Evaluator:
@@ -448,6 +448,7 @@ class _Evaluator:
         self.schedules: dict = {}
         self.layouts: dict = {}
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
+        self.metrics_s = metrics_seconds(space.profile, space.world_size)  # every plan uses every rank
         self.smallest_peak: Optional[tuple[float, str]] = None
 
     def choose_flags(self, structure: _Structure, m: int, schedule: str) -> Optional[tuple[dict, CostModel, float]]:
@@ -460,13 +461,13 @@ class _Evaluator:
             placements = _placements(space, structure, flags=flags)
             cost = CostModel(space.profile, placements, m, space.no_backward, memo=self.stage_costs)
             if space.memory_limit is None:
-                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward)
+                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
             inflight = {(r, s.module): cost.inflight_bound(layout, s.module, s.stage, schedule)
                         for r in range(layout.world_size) for s in layout.slots(r)}
             peaks = cost.peak_memory(layout, inflight)
             worst = max(range(len(peaks)), key=peaks.__getitem__)
             if peaks[worst] <= space.memory_limit:
-                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward)
+                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
             upgraded = self._upgrade(flags, layout, cost, worst, schedule)
             if not upgraded:
                 self._note_peak(peaks[worst], placements)
@@ -547,7 +548,7 @@ class _Evaluator:
         step = result.step_time
         for (rank, module), end in last_backward.items():
             step = max(step, end + cost.stage(module, small.slot(rank, module).stage).sync_s)
-        step += metrics_seconds(space.profile, layout.world_size)
+        step += self.metrics_s
         inflight = {}
         weights = []
         for rank in range(layout.world_size):
