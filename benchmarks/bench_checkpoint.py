@@ -6,7 +6,7 @@ Adam state, ``--mb`` MiB of weights, so three times that on disk):
 
 * ``dcp``: plain ``torch.distributed.checkpoint.save`` / ``load`` of the same flat dict (no
   staging directory, no manifest, no safe index reader): the floor;
-* ``ours, no crc``: :func:`lightning_mmpp.checkpoint.save_checkpoint` / ``load_checkpoint``
+* ``ours, no crc``: :func:`lightning_mmpp.state.checkpoint.save_checkpoint` / ``load_checkpoint``
   with the CRC32 replaced by the file size only (staging directory, atomic publish, manifest,
   safe reading, all kept);
 * ``ours``: the real thing (CRC32 of every file at save, of every file read at load); the
@@ -39,9 +39,9 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_mmpp import checkpoint as ckpt  # noqa: E402
-from lightning_mmpp import checkpoint_files  # noqa: E402
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.state import checkpoint as ckpt  # noqa: E402
+from lightning_mmpp.model import checkpoint_files  # noqa: E402
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
 
 CPU = torch.device("cpu")
 TOPOLOGY = {"enc": ["llm"], "llm": []}

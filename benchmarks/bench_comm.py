@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_mmpp.comm import FORWARD, MessageKey, MultiModuleCommunicator  # noqa: E402
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.engine.comm import FORWARD, MessageKey, MultiModuleCommunicator  # noqa: E402
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 SEQ_LENS = (256, 16)  # 256: the large payload (~4 MiB); 16: a small one, where per-message cost shows

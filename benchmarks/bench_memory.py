@@ -23,8 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import OurPipeline, chain, machine, section, table, two_encoders  # noqa: E402
-from lightning_mmpp.schedule import build_schedule  # noqa: E402
-from lightning_mmpp.simulator import simulate  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.core.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 LAYOUTS = {"chain P=4": lambda: chain(4), "2 enc -> llm": two_encoders}

@@ -37,8 +37,8 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import OurPipeline, chain, interleaved, machine, median, section, table  # noqa: E402
-from lightning_mmpp.schedule import build_schedule  # noqa: E402
-from lightning_mmpp.simulator import simulate  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.core.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 KIB = 1024
@@ -131,7 +131,7 @@ def main() -> None:
                  "any schedule >= ms"], rows))
     if trace_dir is not None:
         from benchmarks.plot_trace import load_trace, plot_step
-        from lightning_mmpp.trace import merge_traces
+        from lightning_mmpp.engine.trace import merge_traces
 
         events, names = load_trace(merge_traces(trace_dir, args.pp))
         last = [e for e in events if e["args"]["step"] == 1]

@@ -15,7 +15,7 @@ encoders side by side feeding a two-stage LM (enc_a pp=2, enc_b pp=1 -> llm pp=2
 
 * ideal: ``(m + D - 1)(tf + tb)``, the step time of a bubble-limited pipeline with free
   communication (D = P for a chain);
-* simulated: :func:`lightning_mmpp.simulator.simulate` of the same schedule with the same
+* simulated: :func:`lightning_mmpp.core.simulator.simulate` of the same schedule with the same
   costs, ``mode="eager"``;
 * measured: the median over all timed steps of the slowest rank's step time (barrier, run the
   rank's action list, wait for its sends). One warmup step per schedule, then
@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
     OurPipeline, chain, interleaved, machine, median, section, table, two_encoders, vision_language,
 )
-from lightning_mmpp.schedule import build_schedule  # noqa: E402
-from lightning_mmpp.simulator import simulate  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.core.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 LAYOUTS = {"chain P=4": lambda: chain(4), "chain P=8": lambda: chain(8), "2 enc -> llm": two_encoders}

@@ -87,11 +87,11 @@ def worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: i
     import torch.distributed as dist
 
     from benchmarks.common import PerSampleSleepStage, SleepHooks
-    from lightning_mmpp.comm import MultiModuleCommunicator
-    from lightning_mmpp.partition import StageRunner
+    from lightning_mmpp.engine.comm import MultiModuleCommunicator
+    from lightning_mmpp.model.partition import StageRunner
     from lightning_mmpp.plan.costs import CostModel
-    from lightning_mmpp.runtime import PipelineRuntime
-    from lightning_mmpp.schedule import build_schedule
+    from lightning_mmpp.engine.runtime import PipelineRuntime
+    from lightning_mmpp.core.schedule import build_schedule
 
     medians = []
     for plan, profile in runs:

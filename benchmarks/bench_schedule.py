@@ -2,7 +2,7 @@
 
     python benchmarks/bench_schedule.py
 
-Every number comes from :func:`lightning_mmpp.simulator.simulate`; ratios compare schedules
+Every number comes from :func:`lightning_mmpp.core.simulator.simulate`; ratios compare schedules
 measured in this one run. Costs are per (module, stage) and microbatch: forward ``tf``,
 backward ``tb`` (1 and 2 unless a table says otherwise), no transfer latency.
 
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E402
-from lightning_mmpp.schedule import ZeroBubbleMemory, build_schedule  # noqa: E402
-from lightning_mmpp.simulator import SimulationResult, simulate  # noqa: E402
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.core.schedule import ZeroBubbleMemory, build_schedule  # noqa: E402
+from lightning_mmpp.core.simulator import SimulationResult, simulate  # noqa: E402
 
 from common import chain, section, two_encoders  # noqa: E402
 from common import table as common_table  # noqa: E402

@@ -24,7 +24,7 @@ forked gloo ranks), Adam (``foreach=False``), two training steps under the real 
 ``--layout chain`` (one module of ``pp`` stages, dp=1 or 2). A stage is ``--layers`` sleep
 layers, each with ``1/layers`` of the time and of the gradient. Four ways, timed in one launch,
 rounds interleaved: ``dp=1`` (no reduction); with dp=2,
-:class:`~lightning_mmpp.data_parallel.StageGradients` as the runtime's gradient sync with
+:class:`~lightning_mmpp.engine.data_parallel.StageGradients` as the runtime's gradient sync with
 ``--bucket-mib`` buckets launched from gradient hooks during the stage's last backward
 (``in last B``, what the strategy does on accelerators) or after it (``after last B``, what it
 does on CPU), and ``post-step`` (the old way: every all-reduce starts after the whole
@@ -52,12 +52,12 @@ from benchmarks.common import (  # noqa: E402
     Sleep, SleepHooks, gather_max, interleaved, machine, median, proc_status, section, start_memory_measurement, table,
 )  # noqa: E402
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy  # noqa: E402
-from lightning_mmpp.comm import MultiModuleCommunicator  # noqa: E402
-from lightning_mmpp.data_parallel import StageGradients  # noqa: E402
-from lightning_mmpp.partition import StageRunner  # noqa: E402
-from lightning_mmpp.placement import PipelineLayout  # noqa: E402
-from lightning_mmpp.runtime import PipelineRuntime  # noqa: E402
-from lightning_mmpp.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.engine.comm import MultiModuleCommunicator  # noqa: E402
+from lightning_mmpp.engine.data_parallel import StageGradients  # noqa: E402
+from lightning_mmpp.model.partition import StageRunner  # noqa: E402
+from lightning_mmpp.core.placement import PipelineLayout  # noqa: E402
+from lightning_mmpp.engine.runtime import PipelineRuntime  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 MIB = 1024 * 1024

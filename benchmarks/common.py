@@ -21,12 +21,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_mmpp.comm import MultiModuleCommunicator  # noqa: E402
-from lightning_mmpp.partition import StageRunner  # noqa: E402
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout  # noqa: E402
-from lightning_mmpp.runtime import PipelineRuntime, StepResult  # noqa: E402
-from lightning_mmpp.schedule import build_schedule  # noqa: E402
-from lightning_mmpp.trace import Tracer  # noqa: E402
+from lightning_mmpp.engine.comm import MultiModuleCommunicator  # noqa: E402
+from lightning_mmpp.model.partition import StageRunner  # noqa: E402
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.engine.runtime import PipelineRuntime, StepResult  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.engine.trace import Tracer  # noqa: E402
 
 P = ModulePlacement
 
@@ -174,7 +174,7 @@ class OurPipeline:
                  static_specs: bool = False) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
         (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
-        ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.runtime.PipelineRuntime`);
+        ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`);
         ``static_specs``: the communicator's (headers checked once per step)."""
         self.layout, self.rank, self.m = layout, rank, m
 

@@ -38,7 +38,7 @@ import train_multimodal as example  # noqa: E402
 from benchmarks.common import Sleep  # noqa: E402
 from benchmarks.plot_trace import load_trace, plot_step  # noqa: E402
 from lightning_mmpp import MultiModulePipelineStrategy  # noqa: E402
-from lightning_mmpp.partition import stage_ranges  # noqa: E402
+from lightning_mmpp.model.partition import stage_ranges  # noqa: E402
 
 
 class SleepAfter(nn.Module):

@@ -121,7 +121,7 @@ class VisionAudioLM(L.LightningModule):
         return {"loss": loss, "accuracy": accuracy}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # single-process use only
-        from lightning_mmpp.reference import run_unpipelined
+        from lightning_mmpp.model.reference import run_unpipelined
 
         loss, _ = run_unpipelined(self, TOPOLOGY, batch)
         return loss

@@ -12,8 +12,8 @@ simulator) import without torch.
 from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout, StageSlot
-from lightning_mmpp.topology import ModuleTopology
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout, StageSlot
+from lightning_mmpp.core.topology import ModuleTopology
 
 __all__ = [
     "ModulePlacement",
@@ -33,27 +33,27 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "MultiModulePipelineStrategy":
-        from lightning_mmpp.strategy import MultiModulePipelineStrategy
+        from lightning_mmpp.lightning.strategy import MultiModulePipelineStrategy
 
         return MultiModulePipelineStrategy
     if name == "run_unpipelined":
-        from lightning_mmpp.reference import run_unpipelined
+        from lightning_mmpp.model.reference import run_unpipelined
 
         return run_unpipelined
     if name == "materialize":
-        from lightning_mmpp.initialization import materialize
+        from lightning_mmpp.model.initialization import materialize
 
         return materialize
     if name == "load_pretrained":
-        from lightning_mmpp.construction import load_pretrained
+        from lightning_mmpp.model.construction import load_pretrained
 
         return load_pretrained
     if name == "PretrainedWeights":
-        from lightning_mmpp.pretrained import PretrainedWeights
+        from lightning_mmpp.model.pretrained import PretrainedWeights
 
         return PretrainedWeights
     if name == "export_checkpoint":
-        from lightning_mmpp.checkpoint import export_checkpoint
+        from lightning_mmpp.state.checkpoint import export_checkpoint
 
         return export_checkpoint
     raise AttributeError(f"module 'lightning_mmpp' has no attribute {name!r}")

@@ -16,7 +16,7 @@ class PipelineError(RuntimeError):
     when a step's loss is not finite. The message starts with the root cause, e.g.
     ``"rank 2 (llm stage 1) raised ValueError: bad shape at step 2, microbatch 0"``; the rank's
     own transport error is chained as ``__cause__``. ``report`` holds the root cause as a
-    :class:`lightning_mmpp.failures.FailureReport` (``None`` when no rank reported one).
+    :class:`lightning_mmpp.engine.failures.FailureReport` (``None`` when no rank reported one).
     """
 
     def __init__(self, message: str, report: object = None) -> None:

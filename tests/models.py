@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mmpp.reference import run_unpipelined
+from lightning_mmpp.model.reference import run_unpipelined
 
 VOCAB = 11
 HIDDEN = 8

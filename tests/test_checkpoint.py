@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, run_unpipelined
-from lightning_mmpp.checkpoint import export_checkpoint
+from lightning_mmpp.state.checkpoint import export_checkpoint
 from tests.dist import run_distributed
 from tests.models import HIDDEN, VOCAB, MultiModalModel, make_loader
 
@@ -346,7 +346,7 @@ def test_resume_exactly_and_on_other_placements_and_errors(root, run_a, run_b):
 
 @pytest.mark.timeout(120)
 def test_export_to_one_file(root, run_a):
-    from lightning_mmpp.export import main
+    from lightning_mmpp.state.export import main
 
     out = root / "export" / "model.ckpt"
     assert main([run_a[0]["ckpt"], str(out)]) == 0

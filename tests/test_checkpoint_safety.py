@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from lightning_mmpp import ModulePlacement as P
-from lightning_mmpp import checkpoint as ckpt
-from lightning_mmpp import checkpoint_files as files
+from lightning_mmpp.state import checkpoint as ckpt
+from lightning_mmpp.model import checkpoint_files as files
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.export import main as export_main
-from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.state.export import main as export_main
+from lightning_mmpp.core.placement import PipelineLayout
 from tests.dist import run_distributed
 
 TOPOLOGY = {"enc": ["llm"], "llm": []}
@@ -605,7 +605,7 @@ def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it(tmp_path):
 
 def test_pretrained_weights_from_a_crafted_checkpoint_run_nothing(saved, tmp_path):
     """``pretrained=`` reads DCP directories (ours included) through the same safe reader."""
-    from lightning_mmpp.pretrained import open_source
+    from lightning_mmpp.model.pretrained import open_source
 
     source = open_source("llm", saved)
     dest = {"1.bias": torch.empty(3)}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_mmpp import ModulePlacement, PipelineConfigError
-from lightning_mmpp.placement import PipelineLayout, StageSlot
-from lightning_mmpp.schedule import build_schedule
-from lightning_mmpp.simulator import validate_schedule
+from lightning_mmpp.core.placement import PipelineLayout, StageSlot
+from lightning_mmpp.core.schedule import build_schedule
+from lightning_mmpp.core.simulator import validate_schedule
 from tests.dist import run_distributed
 from tests.test_equivalence import _check, _pipelined, _reference
 

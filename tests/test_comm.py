@@ -1,4 +1,4 @@
-"""Tests for lightning_mmpp.comm on real processes (gloo on CPU), plus a world of 1 in-process.
+"""Tests for lightning_mmpp.engine.comm on real processes (gloo on CPU), plus a world of 1 in-process.
 
 Each launch costs a second or two, so every distributed test runs several layouts in one launch.
 Payloads are deterministic functions of (module, stage, replica, microbatch, step), so every
@@ -15,11 +15,11 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from lightning_mmpp.comm import BACKWARD, FORWARD, MessageKey, MultiModuleCommunicator
+from lightning_mmpp.engine.comm import BACKWARD, FORWARD, MessageKey, MultiModuleCommunicator
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.payload import concat_payloads, flatten_payload, split_payload
-from lightning_mmpp.placement import ModulePlacement as P
-from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.engine.payload import concat_payloads, flatten_payload, split_payload
+from lightning_mmpp.core.placement import ModulePlacement as P
+from lightning_mmpp.core.placement import PipelineLayout
 
 try:
     from tests.dist import run_distributed

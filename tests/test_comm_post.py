@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mmpp.actions import Direction, MessageKey
-from lightning_mmpp.comm import MultiModuleCommunicator
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.actions import Direction, MessageKey
+from lightning_mmpp.engine.comm import MultiModuleCommunicator
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from tests.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -95,9 +95,9 @@ class _Hooks:
 def _runtime_grads(rank: int, world: int) -> dict:
     from torch import nn
 
-    from lightning_mmpp.partition import StageRunner
-    from lightning_mmpp.runtime import PipelineRuntime
-    from lightning_mmpp.schedule import build_schedule
+    from lightning_mmpp.model.partition import StageRunner
+    from lightning_mmpp.engine.runtime import PipelineRuntime
+    from lightning_mmpp.core.schedule import build_schedule
 
     layout = PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=2)}, {"enc": ["llm"], "llm": []})
     data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mmpp.data_parallel import StageGradients
+from lightning_mmpp.engine.data_parallel import StageGradients
 from tests.dist import run_distributed
 
 pytestmark = pytest.mark.distributed

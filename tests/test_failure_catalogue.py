@@ -27,7 +27,7 @@ import torch
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy, PipelineConfigError, PipelineLayout
-from lightning_mmpp.payload import flatten_payload
+from lightning_mmpp.engine.payload import flatten_payload
 from tests.dist import run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 
@@ -41,19 +41,19 @@ def _strategy(placements: Any = None, topology: Any = None, m: int = 4, **kwargs
 
 
 def _split(batch_size: int, m: int, divisor: int) -> Any:
-    from lightning_mmpp.microbatch import microbatch_count
+    from lightning_mmpp.engine.microbatch import microbatch_count
 
     return microbatch_count(batch_size, m, divisor)
 
 
 def _batch_size(batch: Any) -> Any:
-    from lightning_mmpp.microbatch import batch_size_of
+    from lightning_mmpp.engine.microbatch import batch_size_of
 
     return batch_size_of(batch)
 
 
 def _partition(placements: dict, model: Any) -> Any:
-    from lightning_mmpp.partition import partition_model
+    from lightning_mmpp.model.partition import partition_model
 
     return partition_model(model, PipelineLayout(placements, TOPOLOGY), 0)
 

@@ -17,8 +17,8 @@ import torch
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy, PipelineError
-from lightning_mmpp.failures import FailureReport, describe_rank
-from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.engine.failures import FailureReport, describe_rank
+from lightning_mmpp.core.placement import PipelineLayout
 from tests.dist import RankFailure, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 

@@ -189,7 +189,7 @@ def _write_sources(root: Path, model: nn.Module) -> dict[str, object]:
     # this project's checkpoint layout: full names under model/
     dcp.save({f"model/enc_a.{k}": v.clone() for k, v in model.enc_a.state_dict().items()} | {"optim/0": torch.ones(1)},
              storage_writer=dcp.FileSystemWriter(str(root / "project_ckpt")), no_dist=True)
-    # a Lightning checkpoint file (what lightning_mmpp.export writes): full names under state_dict
+    # a Lightning checkpoint file (what lightning_mmpp.state.export writes): full names under state_dict
     torch.save({"state_dict": {f"enc_b.{k}": v.clone() for k, v in model.enc_b.state_dict().items()}, "epoch": 1},
                root / "export.ckpt")
     return {

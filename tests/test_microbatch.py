@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mmpp.microbatch: the splitting rule for batches (single process)."""
+"""Unit tests for lightning_mmpp.engine.microbatch: the splitting rule for batches (single process)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.microbatch import (
+from lightning_mmpp.engine.microbatch import (
     Unsplit,
     batch_size_of,
     microbatch_count,
@@ -107,16 +107,17 @@ def test_sampler_replacement_is_stated_once_and_a_seeded_generator_is_kept(monke
 
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-    import lightning_mmpp.microbatch as microbatch
+    import lightning_mmpp.lightning.data as microbatch
+    from lightning_mmpp.lightning.data import same_order_on_every_rank
 
     monkeypatch.setattr(microbatch, "_WARNED_SAMPLER", False)
     data = list(range(12))
     with pytest.warns(UserWarning, match=r"generator=torch.Generator\(\).manual_seed\(seed\)"):
-        replaced = microbatch.same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))
+        replaced = same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))
     assert isinstance(replaced.sampler, DistributedSampler)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        microbatch.same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))  # no second warning
+        same_order_on_every_rank(DataLoader(data, batch_size=4, shuffle=True))  # no second warning
         seeded = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
-        assert microbatch.same_order_on_every_rank(seeded) is seeded
+        assert same_order_on_every_rank(seeded) is seeded
     assert isinstance(seeded.sampler, RandomSampler)

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import PipelineConfigError, PipelineLayout
-from lightning_mmpp.partition import balanced_split, partition_model, stage_ranges
+from lightning_mmpp.model.partition import balanced_split, partition_model, stage_ranges
 from tests.models import MultiModalModel
 
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mmpp.payload: specs, packing, split/concat, errors (single process)."""
+"""Unit tests for lightning_mmpp.engine.payload: specs, packing, split/concat, errors (single process)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.payload import (
+from lightning_mmpp.engine.payload import (
     ALIGNMENT,
     FLAG_DATA,
     FLAG_STALE,

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mmpp.placement: rank layouts, bridges, groups, errors (single process)."""
+"""Unit tests for lightning_mmpp.core.placement: rank layouts, bridges, groups, errors (single process)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.placement import BridgePeer, ModulePlacement, PipelineLayout, StageSlot
-from lightning_mmpp.topology import ModuleTopology
+from lightning_mmpp.core.placement import BridgePeer, ModulePlacement, PipelineLayout, StageSlot
+from lightning_mmpp.core.topology import ModuleTopology
 
 P = ModulePlacement
 

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile, chain_profile, plan_placements
 from lightning_mmpp.plan.__main__ import main as cli_main
 from lightning_mmpp.plan.costs import CostModel
-from lightning_mmpp.schedule import build_schedule
-from lightning_mmpp.simulator import simulate
+from lightning_mmpp.core.schedule import build_schedule
+from lightning_mmpp.core.simulator import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 2**20

@@ -20,7 +20,7 @@ import torch
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy
-from lightning_mmpp.preemption import Preempted, PreemptionHandler
+from lightning_mmpp.lightning.preemption import Preempted, PreemptionHandler
 from tests.dist import RankFailure, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 

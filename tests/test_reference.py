@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_mmpp import PipelineConfigError, run_unpipelined
-from lightning_mmpp.hooks import pipeline_loss_caller, pipeline_loss_takes_module
+from lightning_mmpp.model.hooks import pipeline_loss_caller, pipeline_loss_takes_module
 from tests.models import MultiModalModel, SyntheticDataset
 
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}

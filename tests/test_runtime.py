@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_mmpp.partition import StageRunner
-from lightning_mmpp.runtime import StageExecutor
+from lightning_mmpp.model.partition import StageRunner
+from lightning_mmpp.engine.runtime import StageExecutor
 
 
 class DictLayer(nn.Module):
@@ -103,12 +103,12 @@ class _Hooks:
 
 
 def _colocated_run(schedule_name: str, frozen: frozenset[str] = frozenset()):
-    from lightning_mmpp.comm import MultiModuleCommunicator
-    from lightning_mmpp.placement import ModulePlacement as P
-    from lightning_mmpp.placement import PipelineLayout
-    from lightning_mmpp.runtime import PipelineRuntime
-    from lightning_mmpp.schedule import build_schedule
-    from lightning_mmpp.simulator import simulate
+    from lightning_mmpp.engine.comm import MultiModuleCommunicator
+    from lightning_mmpp.core.placement import ModulePlacement as P
+    from lightning_mmpp.core.placement import PipelineLayout
+    from lightning_mmpp.engine.runtime import PipelineRuntime
+    from lightning_mmpp.core.schedule import build_schedule
+    from lightning_mmpp.core.simulator import simulate
 
     topology = {"enc_a": ["mid"], "enc_b": ["llm"], "mid": ["llm"], "llm": []}
     layout = PipelineLayout({m: P(rank_offset=0) for m in topology}, topology)

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mmpp.schedule and lightning_mmpp.simulator (single process, fast)."""
+"""Unit tests for lightning_mmpp.core.schedule and lightning_mmpp.core.simulator (single process, fast)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
-from lightning_mmpp.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule, message_groups
-from lightning_mmpp.simulator import DeadlockError, simulate, validate_schedule
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.core.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule, message_groups
+from lightning_mmpp.core.simulator import DeadlockError, simulate, validate_schedule
 
 P = ModulePlacement
 FORWARD, BACKWARD = Phase.FORWARD, Phase.BACKWARD

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PipelineConfigError
-from lightning_mmpp.checkpoint import export_checkpoint
-from lightning_mmpp.sharding import enable_recompute
+from lightning_mmpp.state.checkpoint import export_checkpoint
+from lightning_mmpp.engine.sharding import enable_recompute
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 

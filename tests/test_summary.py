@@ -6,7 +6,7 @@ from torch import nn
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import PipelineLayout
-from lightning_mmpp.summary import pipeline_summary
+from lightning_mmpp.model.summary import pipeline_summary
 from tests.models import MultiModalModel
 
 

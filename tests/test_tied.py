@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, materialize
-from lightning_mmpp.partition import find_tied_parameters
-from lightning_mmpp.placement import PipelineLayout
+from lightning_mmpp.model.partition import find_tied_parameters
+from lightning_mmpp.core.placement import PipelineLayout
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 from tests.test_materialize import MetaBuiltModel

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PipelineConfigError
-from lightning_mmpp.runtime import _token_loss_and_metrics
+from lightning_mmpp.engine.runtime import _token_loss_and_metrics
 from tests.dist import run_distributed
 from tests.models import SEQ, VOCAB, MultiModalModel, SyntheticDataset
 

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mmpp.topology: validation, order, stage numbering (single process)."""
+"""Unit tests for lightning_mmpp.core.topology: validation, order, stage numbering (single process)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.topology import ModuleTopology, StageNumbering
+from lightning_mmpp.core.topology import ModuleTopology, StageNumbering
 
 
 def config_error(edges) -> str:

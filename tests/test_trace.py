@@ -11,9 +11,9 @@ import lightning as L
 import pytest
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
-from lightning_mmpp.actions import Compute, Exchange
-from lightning_mmpp.schedule import build_schedule
-from lightning_mmpp.trace import PHASE_SPANS
+from lightning_mmpp.core.actions import Compute, Exchange
+from lightning_mmpp.core.schedule import build_schedule
+from lightning_mmpp.engine.trace import PHASE_SPANS
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 

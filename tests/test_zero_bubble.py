@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy
-from lightning_mmpp.actions import Compute
-from lightning_mmpp.schedule import build_schedule
-from lightning_mmpp.trace import PHASE_SPANS
+from lightning_mmpp.core.actions import Compute
+from lightning_mmpp.core.schedule import build_schedule
+from lightning_mmpp.engine.trace import PHASE_SPANS
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, SyntheticDataset, make_loader
 

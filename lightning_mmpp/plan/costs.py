@@ -39,9 +39,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from lightning_mmpp.balance import balanced_split
+from lightning_mmpp.core.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 
 __all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds",
            "metrics_seconds"]
@@ -186,7 +186,7 @@ def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: floa
     return steps / group * nbytes / bandwidth + collectives * steps * latency
 
 
-GRADIENT_BUCKET_BYTES = 25 * 2**20  # lightning_mmpp.data_parallel's bucket: one all-reduce each
+GRADIENT_BUCKET_BYTES = 25 * 2**20  # lightning_mmpp.engine.data_parallel's bucket: one all-reduce each
 METRICS_BYTES = 64  # the step's loss and metrics, all-reduced once per step over every rank
 
 

@@ -23,13 +23,13 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
+from lightning_mmpp import torch_api as pytree
 
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.initialization import has_meta_tensors, materialize
-from lightning_mmpp.partition import _layer_container, named_layers
+from lightning_mmpp.model.initialization import has_meta_tensors, materialize
+from lightning_mmpp.model.partition import _layer_container, named_layers
 from lightning_mmpp.plan.costs import LayerProfile, ModelProfile, ModuleProfile
-from lightning_mmpp.topology import ModuleTopology
+from lightning_mmpp.core.topology import ModuleTopology
 
 __all__ = ["default_link", "profile_model"]
 

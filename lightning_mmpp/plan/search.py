@@ -15,8 +15,8 @@ below it; candidates are simulated in order of their bound and skipped once the 
 the k-th best step. The result is the same as simulating every candidate of the space
 (``exhaustive=True`` does that, for tests).
 
-Scoring: :func:`lightning_mmpp.schedule.build_schedule` and
-:func:`lightning_mmpp.simulator.simulate` (``mode="eager"``) with the per-stage costs of
+Scoring: :func:`lightning_mmpp.core.schedule.build_schedule` and
+:func:`lightning_mmpp.core.simulator.simulate` (``mode="eager"``) with the per-stage costs of
 :class:`~lightning_mmpp.plan.costs.CostModel`, on the layout with every dp set to 1 (replicas
 are symmetric, so the timing is the same and the simulation much smaller); then the dp
 gradient sums after each stage's last backward; memory from the microbatches each unit held in
@@ -32,13 +32,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from lightning_mmpp.actions import Phase
-from lightning_mmpp.balance import balanced_split
+from lightning_mmpp.core.actions import Phase
+from lightning_mmpp.core.balance import balanced_split
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, metrics_seconds
-from lightning_mmpp.schedule import SCHEDULES, PhaseCosts, build_schedule
-from lightning_mmpp.simulator import DeadlockError, simulate
+from lightning_mmpp.core.schedule import SCHEDULES, PhaseCosts, build_schedule
+from lightning_mmpp.core.simulator import DeadlockError, simulate
 
 __all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
 
@@ -72,7 +72,7 @@ class Plan:
         return max(self.peak_memory_bytes)
 
     def layout(self) -> PipelineLayout:
-        """The :class:`~lightning_mmpp.placement.PipelineLayout` of this plan."""
+        """The :class:`~lightning_mmpp.core.placement.PipelineLayout` of this plan."""
         return PipelineLayout(self.placements, self.topology)
 
     def describe(self) -> str:

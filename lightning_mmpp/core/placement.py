@@ -1,0 +1,437 @@
+"""Rank-to-module placement: who holds which (module, pp stage, dp replica).
+
+Everything here is computed from the placements and the topology alone, for any world size,
+without starting processes.
+
+Within a module's rank range the dp replica varies fastest (Megatron's order): a module with
+``pp=2, dp=2`` at offset 4 puts stage 0 on ranks 4 (replica 0) and 5 (replica 1), stage 1 on
+ranks 6 and 7.
+
+Bridges: on a DAG edge ``u -> d`` the last stage of ``u`` feeds the first stage of ``d``.
+With ``dp_u == dp_d`` replica j feeds replica j. With ``dp_u = r * dp_d`` (fan-in) replicas
+``j*r .. j*r+r-1`` of ``u`` feed replica j of ``d``, concatenated in replica order. With
+``dp_d = r * dp_u`` (fan-out) replica i of ``u`` is split into r contiguous chunks, chunk c
+going to replica ``i*r + c`` of ``d``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.core.topology import ModuleTopology, StageNumbering
+
+
+@dataclass(frozen=True)
+class ModulePlacement:
+    """How many pipeline stages and data-parallel replicas a module gets.
+
+    Args:
+        pp: pipeline stages; the module's layers are split into ``pp`` contiguous stages.
+        dp: data-parallel replicas of every stage.
+        rank_offset: first rank of the module's ``pp * dp`` ranks. ``None`` places the module
+            right after the modules declared before it. Two modules with the same
+            ``rank_offset``, ``pp`` and ``dp`` are colocated (the same ranks run both); a
+            ``pp=1`` module may also sit on exactly the ranks of one stage of another module
+            with its dp (``rank_offset`` = that module's offset + stage * dp).
+        split_points: explicit stage boundaries, the index of the first layer of stages
+            ``1 .. pp-1`` (``pp - 1`` increasing numbers). ``None`` balances the stages by
+            parameter count.
+        batch_dim: the batch dimension of this module's output tensors, used when a bridge
+            concatenates (fan-in) or splits (fan-out) them.
+        shard: shard each stage's parameters, gradients and optimizer state over its ``dp``
+            replicas with FSDP2 (:mod:`lightning_mmpp.engine.sharding`); needs ``dp >= 2``.
+        recompute: run each layer under activation checkpointing, so an in-flight microbatch
+            keeps only its layer inputs; the layers run their forward again in the backward.
+    """
+
+    pp: int = 1
+    dp: int = 1
+    rank_offset: Optional[int] = None
+    split_points: Optional[tuple[int, ...]] = None
+    batch_dim: int = 0
+    shard: bool = False
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("shard", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineConfigError(f"ModulePlacement({name}={getattr(self, name)!r}): {name} must be True or False.")
+        if self.shard and self.dp < 2:
+            raise PipelineConfigError(
+                f"ModulePlacement(pp={self.pp}, dp={self.dp}, shard=True): with dp=1 there is nothing to shard over; "
+                "give the module dp >= 2 or drop shard=True (recompute=True cuts activation memory on one replica)."
+            )
+        for name in ("pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PipelineConfigError(f"ModulePlacement({name}={value!r}): {name} must be an integer >= 1.")
+        if self.rank_offset is not None and (
+            not isinstance(self.rank_offset, int) or isinstance(self.rank_offset, bool) or self.rank_offset < 0
+        ):
+            raise PipelineConfigError(
+                f"ModulePlacement(rank_offset={self.rank_offset!r}): rank_offset must be None or an integer >= 0."
+            )
+        if self.split_points is not None:
+            try:
+                points = tuple(self.split_points)
+            except TypeError:
+                raise PipelineConfigError(
+                    f"ModulePlacement(pp={self.pp}, split_points={self.split_points!r}): give a tuple of "
+                    f"pp-1 = {self.pp - 1} increasing layer indices > 0, e.g. split_points=(4,) for pp=2."
+                ) from None
+            object.__setattr__(self, "split_points", points)
+            if len(points) != self.pp - 1 or any(not isinstance(p, int) for p in points) or any(
+                b <= a for a, b in zip((0,) + points, points)
+            ):
+                raise PipelineConfigError(
+                    f"ModulePlacement(pp={self.pp}, split_points={points}): give pp-1 = {self.pp - 1} increasing "
+                    "layer indices > 0, the first layer of each stage after the first."
+                )
+        if not isinstance(self.batch_dim, int) or isinstance(self.batch_dim, bool):
+            raise PipelineConfigError(f"ModulePlacement(batch_dim={self.batch_dim!r}): batch_dim must be an integer.")
+
+    @property
+    def size(self) -> int:
+        """Number of ranks the module occupies."""
+        return self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class StageSlot:
+    """What one rank holds of one module."""
+
+    module: str
+    stage: int
+    replica: int
+
+
+@dataclass(frozen=True)
+class BridgePeer:
+    """One end of a cross-module transfer seen from a rank.
+
+    ``chunk`` / ``num_chunks`` say which contiguous piece of the batch dimension this peer's
+    data is: for fan-out the sender's chunk index, for fan-in the position of the sender in
+    the receiver's concatenation. ``num_chunks`` is 1 when dp sizes match.
+    """
+
+    rank: int
+    chunk: int
+    num_chunks: int
+
+
+def _beside_one_stage(offset_a: int, a: ModulePlacement, offset_b: int, b: ModulePlacement) -> bool:
+    """Whether one of two overlapping modules is a ``pp=1`` module on exactly the ranks of one
+    stage of the other (same dp): an adapter or projector beside, say, the LM's first stage."""
+    for (o_small, small), (o_big, big) in (((offset_a, a), (offset_b, b)), ((offset_b, b), (offset_a, a))):
+        if small.pp == 1 and small.dp == big.dp and big.pp > 1:
+            shift = o_small - o_big
+            if shift % big.dp == 0 and 0 <= shift // big.dp < big.pp:
+                return True
+    return False
+
+
+class PipelineLayout:
+    """The placement of every module on ranks ``0 .. world_size - 1``.
+
+    Args:
+        placements: ``{module: ModulePlacement}``; declaration order drives automatic offsets.
+        topology: the module DAG, as a dict or a :class:`ModuleTopology`.
+    """
+
+    def __init__(
+        self,
+        placements: Mapping[str, ModulePlacement],
+        topology: Mapping[str, Sequence[str]] | ModuleTopology,
+    ) -> None:
+        if not isinstance(placements, Mapping) or not placements:
+            raise PipelineConfigError(
+                "placements must be a non-empty dict {module: ModulePlacement(...)}, e.g. "
+                "{'vision': ModulePlacement(pp=1, dp=2), 'llm': ModulePlacement(pp=2)}."
+            )
+        for module, placement in placements.items():
+            if not isinstance(placement, ModulePlacement):
+                raise PipelineConfigError(
+                    f"placements[{module!r}] is {placement!r}; wrap it as ModulePlacement(pp=..., dp=...)."
+                )
+        self.topology = topology if isinstance(topology, ModuleTopology) else ModuleTopology(topology)
+        unplaced = [m for m in self.topology.modules if m not in placements]
+        if unplaced:
+            raise PipelineConfigError(
+                f"module(s) {unplaced} appear in the topology but have no placement; add "
+                + ", ".join(f"{m!r}: ModulePlacement(pp=1, dp=1)" for m in unplaced)
+                + " to placements."
+            )
+        unknown = [m for m in placements if m not in self.topology.modules]
+        if unknown:
+            raise PipelineConfigError(
+                f"placement(s) for {unknown} have no topology entry; add "
+                + ", ".join(f"{m!r}: [downstream modules]" for m in unknown)
+                + " to the topology or remove the placement."
+            )
+        self.placements: dict[str, ModulePlacement] = dict(placements)
+        self.offsets = self._assign_offsets()
+        self.world_size = max(self.offsets[m] + p.size for m, p in self.placements.items())
+        self._slots = self._build_slots()
+        self._check_bridges()
+        self.numbering: StageNumbering = self.topology.stage_numbering({m: p.pp for m, p in self.placements.items()})
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _assign_offsets(self) -> dict[str, int]:
+        return assign_offsets(self.placements)
+
+    def _build_slots(self) -> dict[int, tuple[StageSlot, ...]]:
+        slots: dict[int, list[StageSlot]] = {r: [] for r in range(self.world_size)}
+        for module in self.topology.order:
+            placement = self.placements[module]
+            for stage in range(placement.pp):
+                for replica in range(placement.dp):
+                    slots[self.rank_of(module, stage, replica)].append(StageSlot(module, stage, replica))
+        return {r: tuple(s) for r, s in slots.items()}
+
+    def _check_bridges(self) -> None:
+        for up, down in self.topology.edges():
+            du, dd = self.placements[up].dp, self.placements[down].dp
+            if max(du, dd) % min(du, dd):
+                raise PipelineConfigError(
+                    f"edge {up!r} -> {down!r}: dp sizes {du} and {dd} do not divide one another, so the bridge "
+                    f"cannot fan in or out whole shards. Make one dp a multiple of the other (e.g. {up!r} dp="
+                    f"{dd * max(1, du // dd)} or {down!r} dp={du})."
+                )
+
+    # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Modules in topological order."""
+        return self.topology.order
+
+    @property
+    def max_dp(self) -> int:
+        return max(p.dp for p in self.placements.values())
+
+    @property
+    def batch_divisor(self) -> int:
+        """What every microbatch must divide by: the lcm of the modules' dp sizes (each replica
+        of every module takes an equal shard)."""
+        return math.lcm(*(p.dp for p in self.placements.values()))
+
+    @property
+    def depth(self) -> int:
+        return self.numbering.depth
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless the placements cover exactly ``world_size`` ranks."""
+        if world_size != self.world_size:
+            needs = ", ".join(
+                f"{m}: {p.pp}x{p.dp} at rank {self.offsets[m]}" for m, p in self.placements.items()
+            )
+            raise PipelineConfigError(
+                f"the placements need {self.world_size} ranks ({needs}) but the world has {world_size}. "
+                f"Launch with devices={self.world_size} (x num_nodes) or change pp/dp."
+            )
+
+    def rank_of(self, module: str, stage: int, replica: int) -> int:
+        placement = self.placements[module]
+        if not (0 <= stage < placement.pp and 0 <= replica < placement.dp):
+            raise IndexError(f"{module!r} has no stage {stage} replica {replica}")
+        return self.offsets[module] + stage * placement.dp + replica
+
+    def module_ranks(self, module: str) -> range:
+        return range(self.offsets[module], self.offsets[module] + self.placements[module].size)
+
+    def slots(self, rank: int) -> tuple[StageSlot, ...]:
+        """What ``rank`` holds, one slot per module, in topological order."""
+        return self._slots[rank]
+
+    def slot(self, rank: int, module: str) -> Optional[StageSlot]:
+        return next((s for s in self._slots[rank] if s.module == module), None)
+
+    def is_first_stage(self, slot: StageSlot) -> bool:
+        return slot.stage == 0
+
+    def is_last_stage(self, slot: StageSlot) -> bool:
+        return slot.stage == self.placements[slot.module].pp - 1
+
+    def is_loss_stage(self, slot: StageSlot) -> bool:
+        """Whether ``slot`` computes a loss: the last stage of a sink module."""
+        return self.is_last_stage(slot) and not self.topology.downstream(slot.module)
+
+    def no_backward_modules(self, frozen: Iterable[str]) -> frozenset[str]:
+        """Modules that run no backward given the ``frozen`` ones (see
+        :meth:`ModuleTopology.no_backward_modules`)."""
+        return self.topology.no_backward_modules(frozen)
+
+    def sends_input_gradients(self, slot: StageSlot, no_backward_modules: Iterable[str]) -> bool:
+        """Whether the backward of ``slot`` has gradients to send upstream: some producer of its
+        input runs a backward. ``False`` on the first stage of a source module."""
+        no_backward = set(no_backward_modules)
+        return any(src not in no_backward for src, _ in self.forward_sources(slot))
+
+    def stage_index(self, module: str, stage: int, numbering: str = "asap") -> int:
+        return self.numbering.index(module, stage, numbering)
+
+    def pp_prev(self, slot: StageSlot) -> Optional[int]:
+        """Rank of the previous stage of the same module and replica, or None on stage 0."""
+        return None if slot.stage == 0 else self.rank_of(slot.module, slot.stage - 1, slot.replica)
+
+    def pp_next(self, slot: StageSlot) -> Optional[int]:
+        """Rank of the next stage of the same module and replica, or None on the last stage."""
+        if self.is_last_stage(slot):
+            return None
+        return self.rank_of(slot.module, slot.stage + 1, slot.replica)
+
+    def dp_group(self, module: str, stage: int) -> tuple[int, ...]:
+        """Ranks holding the replicas of one stage of a module, in replica order."""
+        return tuple(self.rank_of(module, stage, j) for j in range(self.placements[module].dp))
+
+    def dp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every distinct dp group with more than one rank, sorted (the order to create them in)."""
+        groups = {
+            self.dp_group(m, s)
+            for m, p in self.placements.items()
+            for s in range(p.pp)
+            if p.dp > 1
+        }
+        return tuple(sorted(groups))
+
+    def bridge_targets(self, up: str, down: str, replica: int) -> tuple[BridgePeer, ...]:
+        """Receivers of the last stage of ``up`` replica ``replica`` on edge ``up -> down``."""
+        du, dd = self.placements[up].dp, self.placements[down].dp
+        if du >= dd:
+            ratio = du // dd
+            return (BridgePeer(self.rank_of(down, 0, replica // ratio), replica % ratio, ratio),)
+        ratio = dd // du
+        return tuple(BridgePeer(self.rank_of(down, 0, replica * ratio + c), c, ratio) for c in range(ratio))
+
+    def bridge_sources(self, up: str, down: str, replica: int) -> tuple[BridgePeer, ...]:
+        """Senders into the first stage of ``down`` replica ``replica`` on edge ``up -> down``."""
+        du, dd = self.placements[up].dp, self.placements[down].dp
+        last = self.placements[up].pp - 1
+        if du >= dd:
+            ratio = du // dd
+            return tuple(BridgePeer(self.rank_of(up, last, replica * ratio + c), c, ratio) for c in range(ratio))
+        ratio = dd // du
+        return (BridgePeer(self.rank_of(up, last, replica // ratio), replica % ratio, ratio),)
+
+    def forward_targets(self, slot: StageSlot) -> tuple[tuple[str, BridgePeer], ...]:
+        """Where the output of ``slot`` goes: ``(consumer module, peer)`` pairs.
+
+        The next stage of the same module, or, on a last stage, the first stage of every
+        downstream module (several peers on fan-out). Empty on the last stage of a sink.
+        """
+        nxt = self.pp_next(slot)
+        if nxt is not None:
+            return ((slot.module, BridgePeer(nxt, 0, 1)),)
+        return tuple(
+            (down, peer)
+            for down in self.topology.downstream(slot.module)
+            for peer in self.bridge_targets(slot.module, down, slot.replica)
+        )
+
+    def forward_sources(self, slot: StageSlot) -> tuple[tuple[str, BridgePeer], ...]:
+        """Where the input of ``slot`` comes from: ``(producer module, peer)`` pairs.
+
+        The previous stage of the same module, or, on a first stage, the last stage of every
+        upstream module (several peers on fan-in). Empty on the first stage of a source.
+        """
+        prev = self.pp_prev(slot)
+        if prev is not None:
+            return ((slot.module, BridgePeer(prev, 0, 1)),)
+        return tuple(
+            (up, peer)
+            for up in self.topology.upstream(slot.module)
+            for peer in self.bridge_sources(up, slot.module, slot.replica)
+        )
+
+    def batch_shard(self, module: str, replica: int, batch_size: int) -> slice:
+        """The slice of a microbatch of ``batch_size`` samples that a replica of ``module`` processes."""
+        dp = self.placements[module].dp
+        if batch_size % dp:
+            raise PipelineConfigError(
+                f"a microbatch of {batch_size} samples cannot be split over {module!r} dp={dp}; make the "
+                f"microbatch size (global batch / num_microbatches) a multiple of {self.max_dp}."
+            )
+        shard = batch_size // dp
+        return slice(replica * shard, (replica + 1) * shard)
+
+    # --- display ---------------------------------------------------------------------------
+
+    def table(self) -> str:
+        """A human-readable placement table, one line per (rank, module)."""
+        rows = [("rank", "module", "stage", "replica", "global-stage")]
+        for rank in range(self.world_size):
+            for slot in self._slots[rank]:
+                p = self.placements[slot.module]
+                rows.append((
+                    str(rank),
+                    slot.module,
+                    f"{slot.stage}/{p.pp}",
+                    f"{slot.replica}/{p.dp}",
+                    str(self.stage_index(slot.module, slot.stage)),
+                ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"PipelineLayout(world_size={self.world_size}, modules={list(self.placements)})"
+
+
+def assign_offsets(placements: Mapping[str, ModulePlacement]) -> dict[str, int]:
+    """Each module's first rank: consecutive ranges in declaration order unless ``rank_offset`` is
+    given; overlaps other than colocation and gaps are configuration errors. The topology plays no
+    part, so the world size is known from the placements alone."""
+    offsets: dict[str, int] = {}
+    cursor = 0
+    for module, placement in placements.items():
+        offset = cursor if placement.rank_offset is None else placement.rank_offset
+        offsets[module] = offset
+        cursor = max(cursor, offset + placement.size)
+    owner: dict[int, str] = {}
+    for module, placement in placements.items():
+        for rank in range(offsets[module], offsets[module] + placement.size):
+            other = owner.get(rank)
+            if other is None:
+                owner[rank] = module
+                continue
+            a, b = placements[other], placement
+            same_ranks = (offsets[other], a.pp, a.dp) == (offsets[module], b.pp, b.dp)
+            if not same_ranks and not _beside_one_stage(offsets[other], a, offsets[module], b):
+                raise PipelineConfigError(
+                    f"modules {other!r} (ranks {offsets[other]}-{offsets[other] + a.size - 1}, pp={a.pp}, "
+                    f"dp={a.dp}) and {module!r} (ranks {offsets[module]}-{offsets[module] + b.size - 1}, "
+                    f"pp={b.pp}, dp={b.dp}) overlap on rank {rank}. Colocated modules need the same "
+                    "rank_offset, pp and dp, or a pp=1 module with the other's dp on exactly the ranks of "
+                    "one of its stages; otherwise give them disjoint rank ranges."
+                )
+    world = max(offsets[m] + p.size for m, p in placements.items())
+    empty = [r for r in range(world) if r not in owner]
+    if empty:
+        raise PipelineConfigError(
+            f"rank(s) {empty} hold no module: the placements leave a gap. Adjust rank_offset so the "
+            f"modules cover ranks 0-{world - 1} without holes."
+        )
+    return offsets
+
+
+def placements_world_size(placements: Mapping[str, ModulePlacement]) -> int:
+    """How many ranks ``placements`` need (checked as :class:`PipelineLayout` checks them)."""
+    offsets = assign_offsets(placements)
+    return max(offsets[m] + p.size for m, p in placements.items())
+
+
+def placements_table(placements: Mapping[str, ModulePlacement]) -> str:
+    """One line per module: its ranks, pp and dp (what is known before the topology)."""
+    offsets = assign_offsets(placements)
+    rows = [("module", "ranks", "pp", "dp")]
+    for module, p in placements.items():
+        rows.append((module, f"{offsets[module]}-{offsets[module] + p.size - 1}", str(p.pp), str(p.dp)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,571 @@
+"""Schedules as data: per-rank action lists for one training (or evaluation) step.
+
+A schedule is a pure function of ``(layout, num_microbatches)``. It returns, for every rank,
+an ordered list of actions (:mod:`lightning_mmpp.core.actions`):
+
+* :class:`~lightning_mmpp.core.actions.Compute` — a forward, a backward (fused, or its
+  input-gradient ``I`` / weight-gradient ``W`` halves) of one microbatch for one module the
+  rank holds;
+* :class:`~lightning_mmpp.core.actions.Exchange` — one batch of point-to-point transfers
+  (activations forward, gradients backward), posted together so that opposite directions
+  cannot deadlock.
+
+How the lists are built (lockstep construction). The generator plays all ranks on a tick
+clock. In each tick every rank runs at most one compute per module it holds, chosen by the
+schedule's priority rule below, then every transfer produced in that tick is placed in that
+tick's :class:`Exchange` on *both* ends. Each exchange therefore matches exactly the exchanges
+of its peers in the same tick, so every rank reaches its partners' exchanges without waiting on
+anything later: the lists are deadlock-free even under rendezvous semantics (a send completes
+only when its receive is posted), which covers gloo and NCCL alike. The simulator re-checks
+this for every schedule it runs.
+
+A unit (rank, module) is *in flight* for a microbatch from its forward until its last backward
+piece (the fused ``B``, or the ``W``). The schedules differ in the in-flight limit and in the
+priority of the pieces:
+
+* ``"1f1b"``: fused backward first, else a forward if fewer than ``limit = depth -
+  index(module, stage)`` microbatches are in flight — Megatron's warmup (``depth - index - 1``
+  forwards before the first backward) generalised to a DAG. ``index`` is the ALAP numbering by
+  default (see :mod:`lightning_mmpp.core.topology`): a short branch holds fewer activations than
+  under the ASAP numbering. ``benchmarks/bench_schedule.py`` measured it on the simulator: ALAP
+  never stashed more in total (3% less on average over 200 random DAGs, up to 27%), and the
+  step time was equal on 190 of the 200 (within -3% / +7% on the rest);
+  ``numbering="asap"`` is there for a layout where that matters.
+* ``"gpipe"``: all forwards of a module, then all its fused backwards.
+* ``"zero_bubble"`` (ZB-H1 generalised to the DAG): the backward is split into ``I`` (input
+  gradients, sent upstream at once) and ``W`` (weight gradients, which nothing waits for).
+  Priority per unit and tick: ``I`` if its gradients arrived, else a forward within the
+  in-flight limit, else the oldest pending ``W``: weight gradients fill the ticks where 1F1B
+  would idle. See :class:`ZeroBubbleMemory` for the limit.
+
+A stage whose inputs need no gradient (first stage of a source module, or fed only by modules
+without backward) has nothing to send upstream: under zero_bubble its whole backward is one
+``W`` (no ``I``), deferred like any other ``W``; 1F1B and GPipe keep a fused ``B`` everywhere.
+
+Colocated modules keep one limit each, from their own stage index: a rank holding a short
+encoder branch and the first LM stage warms each up by its own depth, rather than by "the first
+module of the rank" (Megatron's open TODO).
+
+Modules in ``no_backward_modules`` (see
+:meth:`~lightning_mmpp.core.topology.ModuleTopology.no_backward_modules`) get forwards only: no
+backward, no gradient transfer. Such a module runs at most ``limit`` microbatches ahead of its
+slowest consumer's forwards, which bounds the inputs the consumer holds for it.
+
+Replicas of a stage are symmetric, so all peers of one fan-in / fan-out message land in the
+same exchange (``tests/test_schedule.py`` checks it on random layouts).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_mmpp.core.actions import (
+    Action,
+    Compute,
+    Direction,
+    Exchange,
+    MessageKey,
+    Phase,
+    Schedule,
+    Transfer,
+)
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.core.placement import PipelineLayout, StageSlot
+from lightning_mmpp.core.simulator import validate_schedule
+
+__all__ = [
+    "NUMBERINGS",
+    "SCHEDULES",
+    "PhaseCosts",
+    "ZeroBubbleMemory",
+    "build_schedule",
+    "check_schedule_args",
+    "load_schedule",
+    "message_groups",
+]
+
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+NUMBERINGS = ("alap", "asap")
+
+
+@dataclass(frozen=True)
+class ZeroBubbleMemory:
+    """The memory rule of ``"zero_bubble"``: how much a unit may hold in flight.
+
+    A unit *holds* ``full + weight_fraction * deferred``: ``full`` counts its microbatches
+    between their forward and their ``I`` (they keep every saved activation), ``deferred`` those
+    between ``I`` and ``W``. A unit may always start a forward while it holds less than 1F1B's
+    bound ``depth - index`` (``+ extra``): that keeps every unit progressing as under 1F1B.
+
+    ``bound``:
+
+    * ``"max"`` (default, ZB-H1's rule): beyond that, a unit may hold up to ``depth`` (``+
+      extra``, 1F1B's bound of the deepest unit) as long as its rank holds no more than 1F1B's
+      fullest rank may (the largest sum of ``min(m, depth - index)`` over the units of a rank),
+      counting the other units of the rank at their own 1F1B bound at least. So no rank holds
+      more than 1F1B's worst rank; the deferred ``W`` s wait on later stages, which hold more
+      than their own 1F1B share.
+    * ``"stage"``: never beyond ``depth - index``: every rank holds no more than under 1F1B.
+      The last stages can then defer almost nothing, so less of the bubble goes (measured in
+      ``benchmarks/README.md``).
+
+    ``weight_fraction`` is what a deferred ``W`` holds relative to a whole microbatch (the layer
+    inputs, outputs and output gradients its weight gradients need); ``1.0`` counts whole
+    microbatches, a smaller value lets more ``W`` s wait for the same bytes. ``extra`` adds
+    microbatches to the limit.
+    """
+
+    bound: str = "max"
+    weight_fraction: float = 1.0
+    extra: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bound not in ("max", "stage"):
+            raise PipelineConfigError(f"ZeroBubbleMemory(bound={self.bound!r}): use 'max' or 'stage'.")
+        if not (0.0 <= self.weight_fraction <= 1.0):
+            raise PipelineConfigError(f"ZeroBubbleMemory(weight_fraction={self.weight_fraction}): use 0.0 .. 1.0.")
+        if not isinstance(self.extra, int) or self.extra < 0:
+            raise PipelineConfigError(f"ZeroBubbleMemory(extra={self.extra!r}): use an integer >= 0.")
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Relative compute times the zero_bubble builder plans with (the same for every stage).
+
+    The builder plays the schedule on a clock with these costs to decide what each rank runs
+    next; the result is correct and deadlock-free for any costs, they only shape the order.
+    ``lone_weight`` is the cost of a lone ``W`` (the whole backward of a stage with no ``I``,
+    whose inputs need no gradient); ``None`` means ``input + weight``.
+    """
+
+    forward: float = 1.0
+    input: float = 1.0
+    weight: float = 1.0
+    lone_weight: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        costs = (self.forward, self.input, self.weight, self.lone_weight_cost)
+        if min(costs) <= 0:
+            raise PipelineConfigError(f"{self}: every cost must be > 0.")
+
+    @property
+    def lone_weight_cost(self) -> float:
+        return self.input + self.weight if self.lone_weight is None else self.lone_weight
+
+
+def check_schedule_args(name: str, num_microbatches: int, numbering: str = "alap") -> None:
+    """Raise for an unknown schedule or numbering, or a microbatch count below 1."""
+    if name not in SCHEDULES:
+        raise PipelineConfigError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}.")
+    if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+        raise PipelineConfigError(f"num_microbatches={num_microbatches!r}: it must be an integer >= 1.")
+    if numbering not in NUMBERINGS:
+        raise PipelineConfigError(f"unknown stage numbering {numbering!r}; choose one of {list(NUMBERINGS)}.")
+
+
+def build_schedule(
+    layout: PipelineLayout,
+    num_microbatches: int,
+    name: str = "1f1b",
+    forward_only: bool = False,
+    numbering: str = "alap",
+    no_backward_modules: frozenset[str] = frozenset(),
+    memory: Optional[ZeroBubbleMemory] = None,
+    costs: Optional[PhaseCosts] = None,
+) -> Schedule:
+    """Build the action lists of every rank for one step of ``num_microbatches`` microbatches.
+
+    ``no_backward_modules`` must be closed upstream (every upstream module of a member is a
+    member): gradients never need to reach them. ``memory`` and ``costs`` apply to
+    ``"zero_bubble"`` only.
+    """
+    check_schedule_args(name, num_microbatches, numbering)
+    no_backward = frozenset(no_backward_modules)
+    if no_backward != layout.no_backward_modules(no_backward):
+        raise ValueError(f"no_backward_modules {sorted(no_backward)} is not closed upstream")
+    if name == "zero_bubble" and not forward_only:
+        return _TimedBuilder(layout, num_microbatches, numbering, no_backward, memory or ZeroBubbleMemory(),
+                             costs or PhaseCosts()).build()
+    return _LockstepBuilder(layout, num_microbatches, name, forward_only, numbering, no_backward).build()
+
+
+def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
+                  no_backward_modules: frozenset[str] = frozenset()) -> Schedule:
+    """Read a schedule from a ``.csv`` (:meth:`Schedule.to_csv`) or text file
+    (:meth:`Schedule.to_text`), then validate it against ``layout`` with the simulator.
+
+    Raises :class:`~lightning_mmpp.errors.PipelineConfigError` naming the first problem (a
+    missing or repeated compute, a compute before its inputs arrive, a transfer the layout does
+    not prescribe, a deadlock).
+    """
+    with open(path) as f:
+        text = f.read()
+    schedule = Schedule.from_csv(text) if str(path).endswith(".csv") else Schedule.from_text(text)
+    validate_schedule(schedule, layout, no_backward_modules)
+    return schedule
+
+
+_Unit = tuple[int, str]  # (rank, module)
+
+
+class _Units:
+    """What both builders know about every (rank, module) unit of a layout."""
+
+    def __init__(self, layout: PipelineLayout, no_backward: frozenset[str]) -> None:
+        self.slots: dict[_Unit, StageSlot] = {
+            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.slots(rank)
+        }
+        self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.slots.items()}
+        self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.slots.items()}
+        # every consumer of a trained module is trained (no_backward is closed upstream),
+        # so a trained module gets a gradient from each of its targets
+        self.consumers = {
+            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.slots.items()
+        }
+        # gradients this unit sends upstream: none when every producer runs no backward
+        self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.slots.items()}
+
+
+def _forward_transfers(layout: PipelineLayout, slot: StageSlot, rank: int, k: int) -> list[tuple[int, Transfer, int]]:
+    """``(sender, transfer at the sender, receiver)`` of the output of ``slot``'s forward of ``k``."""
+    out = []
+    for dst_module, peer in layout.forward_targets(slot):
+        key = MessageKey(Direction.FORWARD, slot.module, dst_module, k)
+        out.append((rank, Transfer(key, peer.rank), peer.rank))
+    return out
+
+
+def _gradient_transfers(
+    layout: PipelineLayout, slot: StageSlot, rank: int, k: int, no_backward: frozenset[str]
+) -> list[tuple[int, Transfer, int]]:
+    """``(sender, transfer at the sender, receiver)`` of the input gradients of ``slot`` for ``k``."""
+    out = []
+    for src_module, peer in layout.forward_sources(slot):
+        if src_module not in no_backward:
+            key = MessageKey(Direction.BACKWARD, src_module, slot.module, k)
+            out.append((rank, Transfer(key, peer.rank), peer.rank))
+    return out
+
+
+class _LockstepBuilder:
+    """1F1B and GPipe (and every forward-only schedule): one compute per unit per tick."""
+
+    def __init__(
+        self, layout: PipelineLayout, m: int, name: str, forward_only: bool, numbering: str,
+        no_backward: frozenset[str],
+    ) -> None:
+        self.layout = layout
+        self.no_backward = no_backward
+        self.m = m
+        self.name = name
+        self.forward_only = forward_only
+        info = _Units(layout, no_backward)
+        self.units = info.slots
+        self.needed_inputs, self.needed_grads, self.consumers = info.needed_inputs, info.needed_grads, info.consumers
+        self.limit: dict[_Unit, int] = {}
+        for unit, slot in self.units.items():
+            if forward_only or name == "gpipe":
+                self.limit[unit] = m
+            else:
+                self.limit[unit] = layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
+        self.next_f = {u: 0 for u in self.units}
+        self.next_b = {u: 0 for u in self.units}
+        self.inputs: dict[tuple[_Unit, int], int] = defaultdict(int)
+        self.grads: dict[tuple[_Unit, int], int] = defaultdict(int)
+        self.forward_done_tick: dict[tuple[_Unit, int], int] = {}
+
+    def _no_backward(self, unit: _Unit) -> bool:
+        return self.forward_only or unit[1] in self.no_backward
+
+    def _backward_ready(self, unit: _Unit, tick: int) -> bool:
+        k = self.next_b[unit]
+        if self._no_backward(unit) or k >= self.next_f[unit]:
+            return False
+        if self.name == "gpipe" and self.next_f[unit] < self.m:
+            return False
+        if self.needed_grads[unit] == 0:  # last stage of a sink: its own forward must be done
+            return self.forward_done_tick[(unit, k)] < tick
+        return self.grads[(unit, k)] == self.needed_grads[unit]
+
+    def _forward_ready(self, unit: _Unit) -> bool:
+        k = self.next_f[unit]
+        if self.forward_only:
+            in_flight = 0
+        elif unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
+            in_flight = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+        else:
+            in_flight = k - self.next_b[unit]
+        if k >= self.m or in_flight >= self.limit[unit]:
+            return False
+        return self.inputs[(unit, k)] == self.needed_inputs[unit]
+
+    def _done(self) -> bool:
+        return all(
+            self.next_f[u] == self.m if self._no_backward(u) else self.next_b[u] == self.m for u in self.units
+        )
+
+    def build(self) -> Schedule:
+        layout = self.layout
+        world = layout.world_size
+        actions: list[list[Action]] = [[] for _ in range(world)]
+        tick = 0
+        while not self._done():
+            computes: list[tuple[_Unit, Phase, int]] = []
+            for rank in range(world):
+                slots = layout.slots(rank)
+                for slot in reversed(slots):  # backwards first, downstream modules first
+                    unit = (rank, slot.module)
+                    if self._backward_ready(unit, tick):
+                        computes.append((unit, Phase.BACKWARD, self.next_b[unit]))
+                chosen = {u for u, _, _ in computes}
+                for slot in slots:
+                    unit = (rank, slot.module)
+                    if unit not in chosen and self._forward_ready(unit):
+                        computes.append((unit, Phase.FORWARD, self.next_f[unit]))
+            if not computes:
+                raise RuntimeError(
+                    f"internal error: schedule {self.name!r} stalled at tick {tick} "
+                    f"(next forwards {self.next_f}, next backwards {self.next_b})"
+                )
+            sends: dict[int, list[Transfer]] = defaultdict(list)
+            recvs: dict[int, list[Transfer]] = defaultdict(list)
+            arrivals: list[tuple[dict, tuple[_Unit, int]]] = []
+            for unit, phase, k in computes:
+                rank, module = unit
+                slot = self.units[unit]
+                actions[rank].append(Compute(phase, module, k))
+                if phase is Phase.FORWARD:
+                    self.next_f[unit] += 1
+                    self.forward_done_tick[(unit, k)] = tick
+                    transfers = _forward_transfers(layout, slot, rank, k)
+                    counter = self.inputs
+                else:
+                    self.next_b[unit] += 1
+                    transfers = _gradient_transfers(layout, slot, rank, k, self.no_backward)
+                    counter = self.grads
+                for sender, t, receiver in transfers:
+                    sends[sender].append(t)
+                    recvs[receiver].append(t.mirror(sender))
+                    target = t.dst_module if phase is Phase.FORWARD else t.src_module
+                    arrivals.append((counter, ((receiver, target), k)))
+            for counter, key in arrivals:  # delivered for the next tick
+                counter[key] += 1
+            for rank in sorted(set(sends) | set(recvs)):
+                actions[rank].append(Exchange(tuple(sorted(sends[rank])), tuple(sorted(recvs[rank]))))
+            tick += 1
+        return Schedule(self.name, self.m, self.forward_only, tuple(tuple(a) for a in actions))
+
+
+class _TimedBuilder:
+    """zero_bubble: every rank runs one compute at a time on a clock with :class:`PhaseCosts`.
+
+    Whenever a rank is free it starts, among the units it holds, an ``I`` whose gradients
+    arrived (downstream modules first), else a forward whose inputs arrived and that the
+    memory rule allows, else the oldest pending ``W``. A message produced by a compute that
+    ends at time ``t`` belongs to *round* ``t``; every rank posts one :class:`Exchange` per
+    round it takes part in, in round order, after its computes that started before ``t`` and
+    before those that start at ``t`` or later. Deadlock freedom, by induction on rounds: once
+    every exchange of earlier rounds completed, every compute placed before a round-``t``
+    exchange has its inputs (they came in earlier rounds), so every rank reaches its round-``t``
+    exchange, and all its partners are in that same round.
+    """
+
+    def __init__(
+        self, layout: PipelineLayout, m: int, numbering: str, no_backward: frozenset[str],
+        memory: ZeroBubbleMemory, costs: PhaseCosts,
+    ) -> None:
+        self.layout = layout
+        self.m = m
+        self.no_backward = no_backward
+        self.memory = memory
+        self.costs = costs
+        info = _Units(layout, no_backward)
+        self.units = info.slots
+        self.needed_inputs, self.needed_grads = info.needed_inputs, info.needed_grads
+        self.consumers, self.sends_grads = info.consumers, info.sends_grads
+        # 1F1B's bound per unit, always allowed (it is what keeps 1F1B from stalling)
+        self.own_limit: dict[_Unit, float] = {
+            u: layout.depth - layout.stage_index(slot.module, slot.stage, numbering) + memory.extra
+            for u, slot in self.units.items()
+        }
+        trained = [u for u in self.units if u[1] not in no_backward]
+        if memory.bound == "max":
+            # beyond it, up to 1F1B's deepest unit, while the rank holds no more than 1F1B's
+            # fullest rank would
+            self.unit_cap = {u: float(layout.depth + memory.extra) for u in self.units}
+            per_rank: dict[int, float] = defaultdict(float)
+            for u in trained:
+                per_rank[u[0]] += min(m, self.own_limit[u])
+            self.rank_cap = max(per_rank.values(), default=0.0)
+        else:
+            self.unit_cap = dict(self.own_limit)
+            self.rank_cap = 0.0
+        self.trained_on_rank: dict[int, list[_Unit]] = defaultdict(list)
+        for u in trained:
+            self.trained_on_rank[u[0]].append(u)
+        self.next_f = {u: 0 for u in self.units}
+        self.next_i = {u: 0 for u in self.units}  # next I (or, without an I, next backward: the lone W)
+        self.next_w = {u: 0 for u in self.units}
+        # arrival times of the inputs / gradients of (unit, k)
+        self.inputs: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
+        self.grads: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
+        self.forward_end: dict[tuple[_Unit, int], float] = {}
+        self.ends: list[float] = []  # heap of the end times of the computes started so far
+
+    # --- readiness at time ``now`` ----------------------------------------------------------
+
+    def _arrived(self, times: list[float], needed: int, now: float) -> bool:
+        return len(times) == needed and max(times, default=0.0) <= now
+
+    def _grads_ready(self, unit: _Unit, k: int, now: float) -> bool:
+        if self.needed_grads[unit] == 0:  # last stage of a sink: its own forward must be done
+            return self.forward_end[(unit, k)] <= now
+        return self._arrived(self.grads[(unit, k)], self.needed_grads[unit], now)
+
+    def _input_ready(self, unit: _Unit, now: float) -> bool:
+        k = self.next_i[unit]
+        if unit[1] in self.no_backward or not self.sends_grads[unit] or k >= self.next_f[unit]:
+            return False
+        return self._grads_ready(unit, k, now)
+
+    def _forward_ready(self, unit: _Unit, now: float) -> bool:
+        k = self.next_f[unit]
+        if k >= self.m:
+            return False
+        if unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
+            in_flight: float = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+            if in_flight + 1 > self.own_limit[unit] + 1e-9:
+                return False
+        else:
+            in_flight = self._held(unit)
+            within_own = in_flight + 1 <= self.own_limit[unit] + 1e-9
+            if not within_own:
+                # room beyond the unit's own 1F1B bound, keeping the others' own bounds free
+                others = [u for u in self.trained_on_rank[unit[0]] if u != unit]
+                reserved = sum(max(self._held(u), min(self.m, self.own_limit[u])) for u in others)
+                if in_flight + 1 > self.unit_cap[unit] + 1e-9 or in_flight + 1 + reserved > self.rank_cap + 1e-9:
+                    return False
+        return self._arrived(self.inputs[(unit, k)], self.needed_inputs[unit], now)
+
+    def _held(self, unit: _Unit) -> float:
+        """What a trained unit holds: whole microbatches until their I, ``weight_fraction`` after."""
+        if not self.sends_grads[unit]:
+            return self.next_f[unit] - self.next_w[unit]
+        full = self.next_f[unit] - self.next_i[unit]
+        return full + self.memory.weight_fraction * (self.next_i[unit] - self.next_w[unit])
+
+    def _weight_ready(self, unit: _Unit, now: float) -> bool:
+        if unit[1] in self.no_backward:
+            return False
+        k = self.next_w[unit]
+        if self.sends_grads[unit]:
+            return k < self.next_i[unit]
+        return k < self.next_f[unit] and self._grads_ready(unit, k, now)
+
+    def _choose(self, rank: int, now: float) -> Optional[tuple[_Unit, Phase]]:
+        slots = self.layout.slots(rank)
+        for slot in reversed(slots):  # downstream modules first
+            if self._input_ready((rank, slot.module), now):
+                return (rank, slot.module), Phase.BACKWARD_INPUT
+        for slot in slots:
+            if self._forward_ready((rank, slot.module), now):
+                return (rank, slot.module), Phase.FORWARD
+        pending = [(rank, s.module) for s in reversed(slots) if self._weight_ready((rank, s.module), now)]
+        if pending:
+            return min(pending, key=lambda u: self.next_w[u]), Phase.BACKWARD_WEIGHT
+        return None
+
+    def _done(self) -> bool:
+        return all(
+            self.next_f[u] == self.m if u[1] in self.no_backward else self.next_w[u] == self.m for u in self.units
+        )
+
+    def _cost(self, unit: _Unit, phase: Phase) -> float:
+        if phase is Phase.FORWARD:
+            return self.costs.forward
+        if phase is Phase.BACKWARD_INPUT:
+            return self.costs.input
+        return self.costs.weight if self.sends_grads[unit] else self.costs.lone_weight_cost
+
+    # --- the clock ------------------------------------------------------------------------
+
+    def build(self) -> Schedule:
+        layout = self.layout
+        world = layout.world_size
+        free_at = [0.0] * world
+        # per rank: (time, order, action); order 0 = an exchange (before computes starting then)
+        timeline: list[list[tuple[float, int, Action]]] = [[] for _ in range(world)]
+        rounds: dict[float, tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]] = {}
+        now = 0.0
+        while not self._done():
+            for rank in range(world):
+                if free_at[rank] > now:
+                    continue
+                choice = self._choose(rank, now)
+                if choice is None:
+                    continue
+                unit, phase = choice
+                self._run(unit, phase, now, timeline, rounds, free_at)
+            # every arrival and every rank becoming free is the end of a compute
+            while self.ends and self.ends[0] <= now:
+                heapq.heappop(self.ends)
+            if not self.ends:
+                if self._done():
+                    break
+                raise RuntimeError(
+                    f"internal error: zero_bubble stalled at time {now} (next forwards {self.next_f}, "
+                    f"next I {self.next_i}, next W {self.next_w})"
+                )
+            now = heapq.heappop(self.ends)
+        for time, (sends, recvs) in rounds.items():
+            for rank in sorted(set(sends) | set(recvs)):
+                exchange = Exchange(tuple(sorted(sends.get(rank, ()))), tuple(sorted(recvs.get(rank, ()))))
+                timeline[rank].append((time, 0, exchange))
+        actions = tuple(tuple(a for _, _, a in sorted(events, key=lambda e: e[:2])) for events in timeline)
+        return Schedule("zero_bubble", self.m, False, actions)
+
+    def _run(self, unit: _Unit, phase: Phase, now: float, timeline: list, rounds: dict, free_at: list) -> None:
+        rank, module = unit
+        slot = self.units[unit]
+        end = round(now + self._cost(unit, phase), 9)
+        free_at[rank] = end
+        heapq.heappush(self.ends, end)
+        if phase is Phase.FORWARD:
+            k = self.next_f[unit]
+            self.next_f[unit] += 1
+            self.forward_end[(unit, k)] = end
+            transfers = _forward_transfers(self.layout, slot, rank, k)
+        elif phase is Phase.BACKWARD_INPUT:
+            k = self.next_i[unit]
+            self.next_i[unit] += 1
+            transfers = _gradient_transfers(self.layout, slot, rank, k, self.no_backward)
+        else:
+            k = self.next_w[unit]
+            self.next_w[unit] += 1
+            if not self.sends_grads[unit]:
+                self.next_i[unit] += 1  # the lone W was the whole backward
+            transfers = []
+        timeline[rank].append((now, 1, Compute(phase, module, k)))
+        if transfers:
+            sends, recvs = rounds.setdefault(end, ({}, {}))
+            for sender, t, receiver in transfers:
+                sends.setdefault(sender, []).append(t)
+                recvs.setdefault(receiver, []).append(t.mirror(sender))
+                if phase is Phase.FORWARD:
+                    self.inputs[((receiver, t.dst_module), k)].append(end)
+                else:
+                    self.grads[((receiver, t.src_module), k)].append(end)
+
+
+def message_groups(transfers: Sequence[Transfer]) -> dict[MessageKey, list[Transfer]]:
+    """Group the per-peer transfers of one exchange by message key."""
+    groups: dict[MessageKey, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        groups[t.key].append(t)
+    return dict(groups)
+

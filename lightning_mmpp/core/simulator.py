@@ -1,0 +1,348 @@
+"""Check and time every rank's action list in one process, on a virtual clock.
+
+Pure Python (no torch). :func:`validate_schedule` proves that a schedule (built, or loaded from
+a hand-edited file) computes what the layout needs, in dependency order, and cannot deadlock.
+:func:`simulate` runs it and reports the step time, the bubble and the peak stash, from costs
+per phase and per ``(module, stage)``. Two ways of completing an
+:class:`~lightning_mmpp.core.actions.Exchange`:
+
+* ``"rendezvous"`` (the strict check): an exchange completes when every partner exchange
+  holding the other end of its transfers has been posted; a send waits for its receive.
+  Deadlock-free here means deadlock-free on any backend.
+* ``"eager"`` (the timing model): sends complete at once (gloo and NCCL post them
+  asynchronously); an exchange completes when the sends it receives from were posted.
+
+Costs: ``forward_cost`` (F), ``backward_cost`` (a fused B), ``input_cost`` (I) and
+``weight_cost`` (W), each a number or a function ``(module, stage) -> seconds``. ``I`` and
+``W`` default to half the fused cost. A ``W`` without an ``I`` (a stage whose inputs need no
+gradient) is that stage's whole backward and costs ``backward_cost``, as the fused ``B`` of
+1F1B does, so the schedules are compared on the same work.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.core.placement import PipelineLayout
+
+CostFn = Callable[[str, int], float]  # (module, stage) -> seconds
+
+
+class DeadlockError(RuntimeError):
+    """The action lists cannot all run to completion."""
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` measured on its virtual clock.
+
+    ``peak_stashed`` counts, per rank, the most microbatches held at once between a forward
+    and its last backward piece (the fused ``B`` or the ``W``); ``peak_stash_units`` weighs a
+    microbatch between its ``I`` and its ``W`` by ``weight_stash`` (what a deferred ``W``
+    keeps, relative to a whole microbatch).
+    """
+
+    step_time: float
+    busy: tuple[float, ...]  # compute time per rank
+    peak_stashed: tuple[int, ...]
+    computes: tuple[tuple[int, float, float, Compute], ...] = ()  # (rank, start, end, action)
+    peak_stash_units: tuple[float, ...] = ()
+
+    @property
+    def bubble(self) -> float:
+        """Step time minus the busiest rank's compute: what a perfect schedule would remove."""
+        return self.step_time - max(self.busy, default=0.0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the total rank-time of the step."""
+        total = self.step_time * len(self.busy)
+        return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
+
+
+def _cost_fn(cost: CostFn | float) -> CostFn:
+    return cost if callable(cost) else (lambda module, stage, c=float(cost): c)
+
+
+def _identity(t: Transfer) -> tuple[bool, str, str, int]:
+    """A transfer's message as a plain tuple (hashing the frozen dataclasses dominated planning)."""
+    key = t.key
+    return (key.direction is Direction.FORWARD, key.src_module, key.dst_module, key.microbatch)
+
+
+def _partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]:
+    """Per rank and action index: the ``(peer, its action index)`` of every send and of every
+    receive of that action (empty lists for computes)."""
+    posts: dict[tuple[int, int, tuple[bool, str, str, int], bool], int] = {}  # (rank, peer, message, is send)
+    for rank, actions in enumerate(schedule.actions):
+        for i, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                for is_send, transfers in ((True, action.sends), (False, action.recvs)):
+                    for t in transfers:
+                        slot = (rank, t.peer, _identity(t), is_send)
+                        if slot in posts:
+                            role = "send" if is_send else "recv"
+                            raise DeadlockError(
+                                f"rank {rank} {role}s {t} twice (actions {posts[slot]} and {i}); "
+                                "every message must be posted once"
+                            )
+                        posts[slot] = i
+    partner: list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]] = []
+    for rank, actions in enumerate(schedule.actions):
+        mine: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+        for i, action in enumerate(actions):
+            if not isinstance(action, Exchange):
+                mine.append(([], []))
+                continue
+            lists: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+            for is_send, transfers, out in ((True, action.sends, lists[0]), (False, action.recvs, lists[1])):
+                role = "send" if is_send else "recv"
+                for t in transfers:
+                    if not 0 <= t.peer < schedule.world_size:
+                        raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} does not exist")
+                    j = posts.get((t.peer, rank, _identity(t), not is_send))
+                    if j is None:
+                        raise DeadlockError(f"rank {rank} {role}s {t} but rank {t.peer} never posts the other end")
+                    out.append((t.peer, j))
+            mine.append(lists)
+        partner.append(mine)
+    return partner
+
+
+def simulate(
+    schedule: Schedule,
+    layout: PipelineLayout,
+    forward_cost: CostFn | float = 1.0,
+    backward_cost: CostFn | float = 2.0,
+    mode: str = "rendezvous",
+    latency: float = 0.0,
+    input_cost: Optional[CostFn | float] = None,
+    weight_cost: Optional[CostFn | float] = None,
+    weight_stash: float = 1.0,
+) -> SimulationResult:
+    """Execute ``schedule`` on a virtual clock; raise :class:`DeadlockError` if it cannot finish."""
+    if mode not in ("rendezvous", "eager"):
+        raise ValueError(f"unknown mode {mode!r}")
+    fused = _cost_fn(backward_cost)
+    cost = {
+        Phase.FORWARD: _cost_fn(forward_cost),
+        Phase.BACKWARD: fused,
+        Phase.BACKWARD_INPUT: _cost_fn(input_cost) if input_cost is not None else (lambda m, s: fused(m, s) / 2),
+        Phase.BACKWARD_WEIGHT: _cost_fn(weight_cost) if weight_cost is not None else (lambda m, s: fused(m, s) / 2),
+    }
+    world = layout.world_size
+    actions = schedule.actions
+    partner = _partners(schedule)
+
+    # (rank, module) units that run an I: their W is the second half; elsewhere W is the whole backward
+    with_input_half = {
+        (rank, a.module) for rank in range(world) for a in actions[rank]
+        if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT
+    }
+    trained = {
+        (rank, a.module) for rank in range(world) for a in actions[rank] if isinstance(a, Compute) and a.phase.is_backward
+    }
+    computes: list[tuple[int, float, float, Compute]] = []
+    pc = [0] * world
+    clock = [0.0] * world
+    busy = [0.0] * world
+    posted_at: dict[tuple[int, int], float] = {}
+    full = [0] * world  # microbatches between F and I (or the fused B / whole W)
+    deferred = [0] * world  # microbatches between I and W
+    peak = [0] * world
+    peak_units = [0.0] * world
+    done = 0
+    total = sum(len(a) for a in actions)
+    while done < total:
+        progressed = False
+        for rank in range(world):
+            while pc[rank] < len(actions[rank]):
+                i = pc[rank]
+                action = actions[rank][i]
+                if isinstance(action, Compute):
+                    unit = (rank, action.module)
+                    stage = layout.slot(rank, action.module).stage
+                    phase = action.phase
+                    if phase is Phase.BACKWARD_WEIGHT and unit not in with_input_half:
+                        seconds = fused(action.module, stage)
+                    else:
+                        seconds = cost[phase](action.module, stage)
+                    computes.append((rank, clock[rank], clock[rank] + seconds, action))
+                    clock[rank] += seconds
+                    busy[rank] += seconds
+                    if unit in trained:
+                        if phase is Phase.FORWARD:
+                            full[rank] += 1
+                        elif phase is Phase.BACKWARD_INPUT:
+                            full[rank] -= 1
+                            deferred[rank] += 1
+                        elif phase is Phase.BACKWARD_WEIGHT and unit in with_input_half:
+                            deferred[rank] -= 1
+                        else:
+                            full[rank] -= 1
+                        peak[rank] = max(peak[rank], full[rank] + deferred[rank])
+                        peak_units[rank] = max(peak_units[rank], full[rank] + weight_stash * deferred[rank])
+                else:
+                    posted_at[(rank, i)] = clock[rank]
+                    sends_of, recvs_of = partner[rank][i]
+                    waits_on = sends_of + recvs_of if mode == "rendezvous" else recvs_of
+                    ready = clock[rank]
+                    blocked = False
+                    for other in waits_on:
+                        if other not in posted_at:
+                            blocked = True
+                            break
+                        ready = max(ready, posted_at[other])
+                    if blocked:
+                        break
+                    clock[rank] = ready + (latency if action.recvs else 0.0)
+                pc[rank] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(actions[r][pc[r]]) for r in range(world) if pc[r] < len(actions[r])}
+            raise DeadlockError(f"deadlock: ranks wait at {stuck}")
+    return SimulationResult(
+        step_time=max(clock), busy=tuple(busy), peak_stashed=tuple(peak), computes=tuple(computes),
+        peak_stash_units=tuple(peak_units),
+    )
+
+
+def validate_schedule(
+    schedule: Schedule, layout: PipelineLayout, no_backward_modules: Iterable[str] = frozenset()
+) -> None:
+    """Raise :class:`~lightning_mmpp.errors.PipelineConfigError` unless ``schedule`` is a
+    correct step for ``layout``.
+
+    Checked: every rank forwards each microbatch of every module it holds exactly once; in a
+    training schedule every module outside ``no_backward_modules`` runs, per microbatch, a
+    fused ``B``, or an ``I`` then a ``W``, or (a stage with no gradient to send upstream) a
+    lone ``W``, after its forward; the transfers are exactly those the layout prescribes, each
+    posted once on each end, a message's transfers in one exchange; every compute comes after
+    the exchanges that bring its inputs (or gradients) and before those that send its
+    results; and the lists run to completion under rendezvous semantics.
+    """
+    no_backward = frozenset(no_backward_modules)
+    m = schedule.num_microbatches
+    training = not schedule.forward_only
+
+    def fail(message: str) -> None:
+        raise PipelineConfigError(f"schedule {schedule.name!r} is invalid for this layout: {message}")
+
+    if schedule.world_size != layout.world_size:
+        fail(f"it has {schedule.world_size} ranks, the layout {layout.world_size}.")
+    expected: Counter = Counter()
+    for rank in range(layout.world_size):
+        for slot in layout.slots(rank):
+            for k in range(m):
+                for dst, peer in layout.forward_targets(slot):
+                    key = MessageKey(Direction.FORWARD, slot.module, dst, k)
+                    expected[(rank, "send", Transfer(key, peer.rank))] += 1
+                    if training and slot.module not in no_backward:
+                        back = MessageKey(Direction.BACKWARD, slot.module, dst, k)
+                        expected[(rank, "recv", Transfer(back, peer.rank))] += 1
+                for src, peer in layout.forward_sources(slot):
+                    key = MessageKey(Direction.FORWARD, src, slot.module, k)
+                    expected[(rank, "recv", Transfer(key, peer.rank))] += 1
+                    if training and src not in no_backward:
+                        back = MessageKey(Direction.BACKWARD, src, slot.module, k)
+                        expected[(rank, "send", Transfer(back, peer.rank))] += 1
+
+    posted: Counter = Counter()
+    for rank in range(layout.world_size):
+        held = {s.module: s for s in layout.slots(rank)}
+        arrived: Counter = Counter()  # (direction, module, k) -> transfers received
+        done: dict[tuple[str, int], list[Phase]] = defaultdict(list)
+        message_exchange: dict[tuple[str, MessageKey], int] = {}
+        for i, action in enumerate(schedule.for_rank(rank)):
+            if isinstance(action, Exchange):
+                for role, transfers in (("send", action.sends), ("recv", action.recvs)):
+                    for t in transfers:
+                        posted[(rank, role, t)] += 1
+                        first = message_exchange.setdefault((role, t.key), i)
+                        if first != i:
+                            fail(f"rank {rank} splits message {t.key} over actions {first} and {i}; post all its "
+                                 "transfers in one exchange.")
+                        if role == "recv":
+                            module = t.dst_module if t.direction is Direction.FORWARD else t.src_module
+                            arrived[(t.direction, module, t.microbatch)] += 1
+                            continue
+                        if t.direction is Direction.FORWARD:
+                            ready = Phase.FORWARD in done[(t.src_module, t.microbatch)]
+                        else:
+                            phases = done[(t.dst_module, t.microbatch)]
+                            ready = Phase.BACKWARD in phases or Phase.BACKWARD_INPUT in phases
+                        if not ready:
+                            fail(f"rank {rank} sends {t} (action {i}) before computing it.")
+                continue
+            slot = held.get(action.module)
+            if slot is None:
+                fail(f"rank {rank} computes {action} but holds no stage of {action.module!r}.")
+            k = action.microbatch
+            if not 0 <= k < m:
+                fail(f"rank {rank} computes {action}: microbatch outside 0..{m - 1}.")
+            phases = done[(action.module, k)]
+            if action.phase in phases:
+                fail(f"rank {rank} computes {action} twice.")
+            if action.phase is Phase.FORWARD:
+                need = len(layout.forward_sources(slot))
+                if arrived[(Direction.FORWARD, action.module, k)] != need:
+                    fail(f"rank {rank} computes {action} (action {i}) before its inputs arrive.")
+            else:
+                if not training or action.module in no_backward:
+                    fail(f"rank {rank} computes {action} but {action.module!r} runs no backward in this schedule.")
+                if Phase.FORWARD not in phases:
+                    fail(f"rank {rank} computes {action} (action {i}) before its forward.")
+                lone_w = action.phase is Phase.BACKWARD_WEIGHT and Phase.BACKWARD_INPUT not in phases
+                if action.phase is Phase.BACKWARD_WEIGHT and not lone_w:
+                    pass  # the I brought the gradients
+                else:
+                    if Phase.BACKWARD in phases or Phase.BACKWARD_INPUT in phases:
+                        fail(f"rank {rank} computes {action} after another backward of that microbatch.")
+                    if lone_w and layout.sends_input_gradients(slot, no_backward):
+                        fail(f"rank {rank} computes {action} without its I: stage {slot.stage} of "
+                             f"{action.module!r} must send input gradients upstream (use I then W, or B).")
+                    need = len(layout.forward_targets(slot))
+                    if arrived[(Direction.BACKWARD, action.module, k)] != need:
+                        fail(f"rank {rank} computes {action} (action {i}) before its gradients arrive.")
+            phases.append(action.phase)
+        for module in held:
+            for k in range(m):
+                phases = done[(module, k)]
+                if Phase.FORWARD not in phases:
+                    fail(f"rank {rank} never computes F{k}:{module}.")
+                if training and module not in no_backward:
+                    complete = Phase.BACKWARD in phases or Phase.BACKWARD_WEIGHT in phases
+                    if not complete:
+                        fail(f"rank {rank} never completes the backward of microbatch {k} of {module!r} "
+                             "(B, or W after I).")
+    if posted != expected:
+        extra = sorted(str(key) for key in (posted - expected))[:3]
+        missing = sorted(str(key) for key in (expected - posted))[:3]
+        fail(f"its transfers differ from the layout's: unexpected {extra}, missing {missing}.")
+    try:
+        simulate(schedule, layout, mode="rendezvous")
+    except DeadlockError as err:
+        fail(str(err))
+
+
+def render_timeline(result: SimulationResult, world_size: int, unit: float = 1.0) -> str:
+    """A text Gantt chart: one row per rank, one cell per ``unit`` of virtual time.
+
+    Each compute shows as its phase letter and microbatch (``F3``, ``B3``, ``I3``, ``W3``) in
+    its first cell (``.`` while idle), so a schedule run with unit costs reads like the usual
+    pipeline diagrams.
+    """
+    cells = int(round(result.step_time / unit))
+    rows = [["  ."] * cells for _ in range(world_size)]
+    for rank, start, end, action in result.computes:
+        first = int(round(start / unit))
+        label = f"{action.phase.value}{action.microbatch}"
+        for i in range(first, int(round(end / unit))):
+            rows[rank][i] = f"{label:>3}" if i == first else "  -"
+    return "\n".join(f"rank {r}" + "".join(row) for r, row in enumerate(rows))

@@ -1,0 +1,410 @@
+"""``PipelineEngine``: one rank's part of a multi-module pipeline, assembled once and run step by step.
+
+The engine owns everything a pipelined step needs on this rank: the partitioned model (its own
+stages built, materialised or loaded), the data-parallel and tied-weight process groups, FSDP2
+sharding and recompute, the communicator, the runtime that executes the rank's action lists,
+gradient synchronisation, metric reduction, prediction gathering, the failure board and the
+trace. It imports no Lightning: :class:`~lightning_mmpp.MultiModulePipelineStrategy` is glue on
+top of it, and a plain PyTorch loop under ``torchrun`` drives it directly::
+
+    dist.init_process_group("gloo")                      # torchrun set RANK / WORLD_SIZE
+    engine = PipelineEngine(model, layout, num_microbatches=4)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3)
+    for batch in loader:                                 # the same global batch on every rank
+        optimizer.zero_grad()
+        out = engine.step(batch)                         # forwards, backwards, dp sync
+        optimizer.step()
+        print(out.loss)                                  # identical on every rank
+    engine.close()
+
+One step, whatever its kind: the global batch is split into microbatches and this rank's dp
+shards (:mod:`~lightning_mmpp.engine.microbatch`), the runtime executes the schedule's actions
+for this rank, and then, for training, every module's gradients are summed over its dp group,
+tied copies are summed, and the metrics are reduced so that every rank returns the same values.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_mmpp.core.actions import Schedule
+from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.core.schedule import build_schedule, check_schedule_args
+from lightning_mmpp.engine.comm import MultiModuleCommunicator
+from lightning_mmpp.engine.data_parallel import StageGradients
+from lightning_mmpp.engine.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
+from lightning_mmpp.engine.metrics import MetricReducer
+from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
+from lightning_mmpp.engine.predict import SinkOutputGatherer
+from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
+from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options
+from lightning_mmpp.engine.tied import counts_in_norm, sum_tied_gradients, tie_groups
+from lightning_mmpp.engine.trace import NULL_TRACER, Tracer, merge_traces
+from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.model.construction import build_own_stages, plan_construction
+from lightning_mmpp.model.partition import Partition, partition_model
+from lightning_mmpp.model.pretrained import PretrainedWeights
+
+__all__ = ["PipelineEngine", "StepOutput", "is_partitioned"]
+
+_TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one metrics all-reduce
+
+# The models this process has partitioned, with (layout, rank, partition): a partitioned model
+# keeps only its rank's layers, so a later engine may reuse it (fit, then validate/test/predict)
+# only with the same layout and rank. Weak keys: the entry goes with the model.
+_PARTITIONED: "weakref.WeakKeyDictionary[Any, tuple[PipelineLayout, int, Partition]]" = weakref.WeakKeyDictionary()
+
+PretrainedSource = Union[str, os.PathLike, PretrainedWeights]
+
+
+def is_partitioned(model: nn.Module) -> bool:
+    """Whether an engine in this process has already partitioned ``model`` (it keeps only one rank's stages)."""
+    return model in _PARTITIONED
+
+
+@dataclass
+class StepOutput:
+    """What one step returns, identical on every rank.
+
+    ``metrics`` are means over the step's samples (``loss`` among them for a loss returned as a
+    tensor or ``{"loss": ...}``); ``token_metrics`` are per-token means (``loss`` among them when
+    the sinks return ``{"loss_sum", "num_tokens"}``), divided by the global token count
+    ``num_tokens``. ``loss`` is the step's loss from whichever holds it. For a predict step,
+    ``predictions`` holds the sink output of the whole batch (a dict by sink with several
+    sinks) and the metrics are empty.
+    """
+
+    kind: StepKind
+    num_samples: int
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    token_metrics: dict[str, Tensor] = field(default_factory=dict)
+    num_tokens: Optional[int] = None
+    predictions: Any = None
+    # this rank's runtime view of the step: peak stash, per-sink microbatch losses
+    local: Optional[StepResult] = None
+
+    @property
+    def loss(self) -> Optional[Tensor]:
+        return self.token_metrics.get("loss", self.metrics.get("loss"))
+
+
+class PipelineEngine:
+    """This rank's part of a multi-module pipeline: built once, then :meth:`step` per batch.
+
+    Args:
+        model: the multi-module model: one ``nn.Sequential`` / ``nn.ModuleList`` attribute per
+            placed module, plus ``pipeline_inputs(module, batch, upstream)`` and
+            ``pipeline_loss(module, output, batch)`` (see DESIGN.md). Partitioned in place: the
+            rank keeps only its own stages (built on the meta device, they are materialised
+            here with :func:`~lightning_mmpp.materialize`'s rule, or loaded from ``pretrained``).
+        layout: where every module runs (:class:`~lightning_mmpp.PipelineLayout`).
+        num_microbatches: microbatches per global batch.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zero_bubble"``.
+        stage_numbering: ``"alap"`` (default) or ``"asap"`` (see :mod:`lightning_mmpp.core.topology`).
+        device: this rank's device (default: CPU for gloo, ``cuda:<LOCAL_RANK>`` for NCCL).
+        optimizers: optimizers built over the whole model before partitioning; each keeps the
+            parameters this rank owns (and is pointed at sharded parameters). Optimizers built
+            after the engine should take :meth:`parameters`.
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``: FSDP2's mixed-precision policy.
+        convert_module: called on the partitioned model before it moves to ``device`` and is
+            sharded (a precision plugin's dtype conversion, say).
+        pretrained: ``{module: source}`` initial weights (see :mod:`lightning_mmpp.model.pretrained`).
+        seed: the materialisation seed (default: rank 0's ``torch.initial_seed()``).
+        static_shapes: every microbatch sends the same shapes and dtypes across every boundary
+            (headers checked once per step instead of per message).
+        trace_dir: write a Chrome trace of every action there at :meth:`close`.
+        timeout: timeout of the process groups the engine creates.
+        launch_in_backward: start dp gradient buckets during the last backward (default: on
+            accelerators, not on CPU; see :mod:`lightning_mmpp.engine.data_parallel`).
+
+    ``torch.distributed`` must be initialised when the layout has more than one rank, with the
+    layout's world size. Configuration errors are raised on every rank before any collective.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: PipelineLayout,
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        *,
+        stage_numbering: str = "alap",
+        device: Optional[torch.device] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        precision: str = "32-true",
+        convert_module: Optional[Callable[[nn.Module], Any]] = None,
+        pretrained: Optional[Mapping[str, PretrainedSource]] = None,
+        seed: Optional[int] = None,
+        static_shapes: bool = False,
+        trace_dir: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        launch_in_backward: Optional[bool] = None,
+    ) -> None:
+        check_engine_options(layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained)
+        initialised = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if initialised else 1
+        self.rank = dist.get_rank() if initialised else 0
+        layout.check_world_size(self.world_size)
+        self.layout = layout
+        self.model = model
+        self.num_microbatches = num_microbatches
+        self.schedule_name = schedule
+        self.stage_numbering = stage_numbering
+        self.device = device if device is not None else default_device()
+        self.timeout = timeout
+        self.trace_dir = trace_dir
+        self._in_step = False
+        self._steps = 0
+        self._schedules: dict[tuple[bool, int], Schedule] = {}
+        self._groups: list[Any] = []
+
+        self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
+        if self.world_size > 1:
+            dist.barrier()  # NCCL wants one collective before the first batched P2P
+        self.partition, self.pretrained_keys_read = self._partition(model, dict(pretrained or {}), seed)
+        owned = self.partition.owned_parameter_ids
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in owned]
+        if convert_module is not None:
+            convert_module(model)
+        model.to(self.device)
+        self.sharded = apply_memory_options(
+            layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers
+        )
+        self.no_backward_modules = layout.no_backward_modules(self.partition.frozen_modules)
+        self.tracer: Tracer | Any = Tracer(self.rank) if trace_dir is not None else NULL_TRACER
+        # a parameter tied across ranks counts once in the global norm, on its first owner
+        counted_elsewhere = [t.local for t in self.partition.tied
+                             if t.local is not None and not counts_in_norm(layout, t, self.rank)]
+        self.gradients = StageGradients.for_rank(
+            layout, self.rank, self.partition.runners, self.dp_groups, self.world_size,
+            counted_elsewhere=counted_elsewhere, sharded=self.sharded,
+            launch_in_backward=self.device.type != "cpu" if launch_in_backward is None else launch_in_backward,
+        )
+        self.tie_groups = tie_groups(layout, self.partition.tied, timeout) if self.world_size > 1 else {}
+        self._groups += list(self.tie_groups.values())
+        self.batches = BatchSplitter(layout, self.rank, num_microbatches)
+        self.metrics = MetricReducer(self.world_size, self.device)
+        self.predictions = SinkOutputGatherer(layout, self.rank, self.device, self.world_size)
+        self.comm = MultiModuleCommunicator(layout, self.rank, self.device, static_specs=static_shapes)
+        self.failures = FailureBoard(layout, self.rank, self.world_size)
+        self.failures.attach()
+        self.runtime = PipelineRuntime(
+            layout, self.rank, self.comm, self.partition.runners, model, tracer=self.tracer,
+            no_backward_modules=self.no_backward_modules, failures=self.failures, gradient_sync=self.gradients,
+        )
+
+    # --- construction ------------------------------------------------------------------------
+
+    def _new_group(self, ranks: Sequence[int]) -> Any:
+        group = dist.new_group(list(ranks), timeout=self.timeout) if self.world_size > 1 else None
+        self._groups.append(group)
+        return group
+
+    def _partition(
+        self, model: nn.Module, pretrained: Mapping[str, PretrainedSource], seed: Optional[int]
+    ) -> tuple[Partition, dict[str, list[str]]]:
+        """Keep this rank's stages of ``model`` and build them (or reuse an earlier engine's partition)."""
+        cached = _PARTITIONED.get(model)
+        if cached is not None:
+            if cached[0] is self.layout and cached[1] == self.rank:
+                return cached[2], {}
+            raise PipelineConfigError(
+                "this model was already partitioned for another layout or rank (it keeps only that rank's stages); "
+                "build a fresh model for a new layout."
+            )
+        plan = plan_construction(model, pretrained)  # every rank checks every key, before any collective
+        partition = partition_model(model, self.layout, self.rank)
+        if plan.on_meta and seed is None:
+            seed = self._broadcast_seed()
+        read = build_own_stages(model, plan, self.device, seed or 0, partition.tied)
+        _PARTITIONED[model] = (self.layout, self.rank, partition)
+        return partition, read
+
+    def _broadcast_seed(self) -> int:
+        """Rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed), the same on every rank."""
+        seed = torch.initial_seed()
+        if self.world_size == 1:
+            return seed
+        box = [seed]
+        dist.broadcast_object_list(box, 0)
+        return int(box[0])
+
+    # --- what the engine holds ---------------------------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank owns (its stages'), sharded ones as DTensors: what its optimizer steps."""
+        return [p for runner in self.partition.runners.values() for p in runner.parameters()]
+
+    def schedule(self, forward_only: bool = False, num_microbatches: Optional[int] = None) -> Schedule:
+        """The action lists of a training (or forward-only) step of ``num_microbatches``, built once and cached."""
+        m = num_microbatches or self.num_microbatches
+        key = (forward_only, m)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                self.layout, m, "gpipe" if forward_only else self.schedule_name, forward_only=forward_only,
+                numbering=self.stage_numbering,
+                no_backward_modules=frozenset() if forward_only else self.no_backward_modules,
+            )
+        return self._schedules[key]
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def step(self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None) -> StepOutput:
+        """Run one pipelined step on the global ``batch`` (the same on every rank) and return its
+        reduced loss and metrics (or, for ``"predict"``, the sink outputs), identical on every rank.
+
+        A training step leaves this rank's parameter gradients in ``.grad``: summed over each
+        module's dp group and divided as the loss asks, ready for the optimizer. It does not
+        zero them first (zero them before the step, as with a plain ``loss.backward()``).
+        ``step_index`` names the step in failure reports (default: the engine's own count).
+        """
+        kind = StepKind.parse(kind)
+        m, shard = self.batches.split(batch, kind.value)
+        self.failures.begin(self._steps if step_index is None else step_index, kind.value)
+        self._steps += 1
+        self.tracer.step = self._steps - 1 if step_index is None else step_index
+        predict = kind is StepKind.PREDICT
+        with self._running():
+            result = self.runtime.run(
+                self.schedule(kind.forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
+            )
+            self.comm.wait_sends()
+            self.comm.discard_backward_state()  # specs of channels that carried no gradient
+        output = StepOutput(kind, batch_size_of(batch), local=result)
+        if predict:
+            output.predictions = self.predictions.gather(result.sink_outputs)
+            return output
+        if kind is StepKind.TRAIN:
+            with self.tracer.span("dp_allreduce", "dp"):
+                self.gradients.synchronize()
+                if self.tie_groups:  # copies of a parameter tied across ranks get the summed gradient
+                    sum_tied_gradients(self.layout, self.partition.tied, self.tie_groups, self.rank)
+        with self.tracer.span("metrics_allreduce", "metrics"):
+            output.metrics, output.token_metrics, output.num_tokens = self._reduce_metrics(result, kind)
+        if kind is StepKind.TRAIN:
+            raise_if_loss_not_finite(self.failures, output.loss, result.sink_losses)
+            if output.num_tokens is not None:  # per-token loss: every gradient holds a sum over tokens
+                self._divide_gradients(output.num_tokens)
+        return output
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """The span in which peers wait on this rank's messages: a failure there closes the process
+        group (see :meth:`abort`) so that they stop at once instead of at the timeout."""
+        self._in_step = True
+        try:
+            yield
+        except BaseException as err:
+            self.abort(err)
+            raise
+        self._in_step = False
+
+    def _reduce_metrics(
+        self, result: StepResult, kind: StepKind
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
+        """``(metrics, per-token metrics, global token count)`` reduced over the world.
+
+        Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
+        divided by the global token count of the step (``None`` when no sink used that form).
+        """
+        local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+        reduced = self.metrics.reduce(local, kind.value)
+        metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
+        sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
+        if not sums:
+            return metrics, {}, None
+        count = sums.pop(TOKEN_COUNT).clamp(min=1.0)
+        token_metrics = {"loss" if n == TOKEN_LOSS else n[: -len("_sum")]: v / count for n, v in sums.items()}
+        return metrics, token_metrics, int(count.item())
+
+    def _divide_gradients(self, count: int) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.div_(count)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip by the global gradient norm over every module and rank (dp replicas and tied copies
+        counted once); returns the norm before clipping, the same on every rank."""
+        return self.gradients.clip_norm_(max_norm, self.device)
+
+    # --- failure and teardown ----------------------------------------------------------------
+
+    def abort(self, exception: BaseException) -> None:
+        """After a failure inside a step: close the process group so that peers waiting for this
+        rank's messages fail at once, and keep rank 0's failure board up until they have read the
+        root cause. No-op outside a step."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            self._groups = []
+            self.tie_groups = {}
+            drop_transfer_references(exception, self.comm)
+            dist.destroy_process_group()
+            self.failures.linger()  # rank 0 serves the store: let peers read the root cause first
+
+    def close(self) -> None:
+        """Write the trace (``trace_dir``), destroy the engine's process groups, remove gradient
+        hooks and release the failure board. The default process group stays (it is the caller's)."""
+        initialised = dist.is_available() and dist.is_initialized()
+        if self.tracer.enabled and self.trace_dir is not None:
+            self.tracer.write(self.trace_dir)
+            if self.world_size > 1 and initialised:
+                dist.barrier()
+            if self.rank == 0:
+                merge_traces(self.trace_dir, self.world_size)
+        for group in self._groups:
+            if group is not None and initialised:
+                dist.destroy_process_group(group)
+        self._groups = []
+        self.tie_groups = {}
+        self.gradients.close()
+        self.failures.release()
+
+    def __enter__(self) -> "PipelineEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_engine_options(
+    layout: PipelineLayout,
+    num_microbatches: Optional[int],
+    schedule: str,
+    stage_numbering: str,
+    static_shapes: bool,
+    pretrained: Optional[Mapping[str, Any]],
+) -> None:
+    """The engine's options against the layout: raised identically on every rank, before any collective."""
+    check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
+    check_memory_options(layout.placements, schedule)
+    if not isinstance(static_shapes, bool):
+        raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")
+    unknown = sorted(set(pretrained or {}) - set(layout.placements))
+    if unknown:
+        raise PipelineConfigError(
+            f"pretrained= names {unknown}, which are not placed modules {list(layout.placements)}; key it by "
+            "placement name."
+        )
+
+
+def default_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` where the default process group uses NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+

@@ -1,0 +1,57 @@
+"""Metric reduction: every rank ends a step with the same, exact metric values.
+
+Only sink ranks compute metrics (``pipeline_loss`` runs there), and each holds its share of
+every metric already divided by the number of microbatches and sink replicas (see
+:class:`lightning_mmpp.engine.runtime.StepResult`); summing the shares over the world gives the step's
+value. :class:`MetricReducer` does that sum with one all-reduce per step.
+
+The name protocol: the other ranks do not know the metric names, so the all-reduced vector is
+laid out by a list of names cached per kind of step (``"train"``, ``"val"``, ``"test"``). The
+vector carries one extra element, non-zero when any rank holds a name outside the cache; then
+every rank gathers the names (an object gather, names only), rebuilds the cache and reduces
+again. After the first step of each kind that happens only if a new metric appears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["MetricReducer"]
+
+
+class MetricReducer:
+    """Sums every rank's metric shares over the world (see the module docstring).
+
+    Args:
+        world_size: number of ranks taking part (1: no communication).
+        device: where the reduced vector lives (the rank's device: NCCL needs CUDA tensors).
+    """
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device
+        self._names: dict[str, list[str]] = {}
+
+    def reduce(self, local: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
+        """The step's metrics, identical on every rank; every rank must call this."""
+        names = self._names.get(kind, [])
+        while True:
+            unknown = float(any(n not in names for n in local))
+            zero = torch.zeros((), device=self.device)
+            values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
+            vector = torch.stack(values + [torch.tensor(unknown, device=self.device)])
+            if self.world_size > 1:
+                dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+            if vector[-1].item() == 0:
+                return {n: vector[i] for i, n in enumerate(names)}
+            gathered: list[Any] = [sorted(local)]
+            if self.world_size > 1:
+                gathered = [None] * self.world_size
+                dist.all_gather_object(gathered, sorted(local))
+            names = sorted({n for part in gathered for n in part})
+            self._names[kind] = names

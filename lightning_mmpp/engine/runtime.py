@@ -1,0 +1,622 @@
+"""Execute one rank's action list: stage forwards and backwards, with the communicator.
+
+Stage execution lives in :class:`StageExecutor` (forward, fused backward, and the two halves
+of a split backward); :class:`PipelineRuntime` walks the schedule, moves payloads through the
+communicator and keeps the per-step stash.
+
+Split backward (``I`` then ``W``, for ``schedule="zero_bubble"``). The forward applies the
+stage's layers one at a time, each on a detached copy of the previous layer's output (a leaf
+that requires grad), so every layer owns a separate autograd graph piece. ``I`` walks the
+layers from last to first with ``torch.autograd.grad`` w.r.t. each layer's input only, keeping
+the graph of layers that have trainable parameters; the stage input's gradient lands in the
+``.grad`` of the received leaves and is sent upstream. ``W`` then runs
+``torch.autograd.backward(layer outputs, their gradients, inputs=layer parameters)`` per layer,
+accumulating into ``.grad``. Layer boundaries make ``W`` exact without hooks into autograd's
+graph (torch.distributed.pipelining finds the param/input split inside the graph instead); the
+price is that activation gradients *inside* a multi-op layer are computed again by ``W``. A
+stage whose inputs need no gradient gets a lone ``W``: a fused backward run late.
+
+Loss scaling. The loss of a step is the mean over microbatches and over the replicas of each
+sink module (summed over sinks). Each sink replica backpropagates ``loss / (M * dp_sink)``,
+gradients cross the bridges unscaled (split and concatenation are exact), and every module's
+data-parallel group then *sums* its gradients: the result is exactly the gradient of the
+global mean loss, for any fan-in or fan-out.
+
+Per-token losses. A sink whose ``pipeline_loss`` returns ``{"loss_sum": s, "num_tokens": n}``
+backpropagates ``s`` unscaled; the step's loss is ``sum(s) / sum(n)`` over every microbatch and
+replica, so after the data-parallel sums the strategy divides every gradient by the global
+token count (known only when the step is over), as Megatron does. Further ``"<name>_sum"``
+entries are metrics normalised by the same count. This needs a single sink: the gradients of
+shared upstream modules could not be split per sink afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from lightning_mmpp.torch_api import tree_flatten, tree_map
+
+from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
+from lightning_mmpp.engine.failures import FailureBoard
+from lightning_mmpp.model.hooks import pipeline_loss_caller
+from lightning_mmpp.model.partition import StageRunner
+from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.engine.trace import NULL_TRACER, PHASE_SPANS, Tracer
+
+
+class PipelineHooks(Protocol):
+    """What the runtime needs from the user's model (a LightningModule provides these)."""
+
+    def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any: ...
+
+    # ``pipeline_loss(module, output, batch)``, or the older ``pipeline_loss(output, batch)``
+    def pipeline_loss(self, *args: Any) -> Tensor | dict[str, Tensor]: ...
+
+
+class GradientSync(Protocol):
+    """Told around the backwards that produce parameter gradients (fused ``B`` and ``W``).
+
+    ``last`` says whether it is the stage's last such backward of the step: a sharded stage
+    reduce-scatters only then, an unsharded dp stage starts its all-reduce right after it.
+    """
+
+    def before_backward(self, module: str, last: bool) -> None: ...
+
+    def after_last_backward(self, module: str) -> None: ...
+
+
+class _NoGradientSync:
+    def before_backward(self, module: str, last: bool) -> None:
+        pass
+
+    def after_last_backward(self, module: str) -> None:
+        pass
+
+
+class Communicator(Protocol):
+    def exchange(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> dict[MessageKey, Any]: ...
+
+    def post(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> None: ...
+
+    def take(self, key: MessageKey) -> Any: ...
+
+
+@dataclass
+class StepResult:
+    """What one rank computed in a step.
+
+    ``metric_sums`` holds this rank's share of every metric (already divided by the number of
+    microbatches and sink replicas), so a sum over all ranks gives the step's value.
+    ``sink_outputs`` holds the sink stage outputs per microbatch (kept only when asked).
+    """
+
+    metric_sums: dict[str, Tensor] = field(default_factory=dict)
+    # per-token form: this rank's unscaled sums ("loss_sum", "num_tokens", other "<name>_sum")
+    token_sums: dict[str, Tensor] = field(default_factory=dict)
+    # (sink module, microbatch) -> the unscaled loss (detached), to name a non-finite one
+    sink_losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)
+    sink_outputs: dict[int, Any] = field(default_factory=dict)
+    # microbatches held between a forward and its last backward piece (B, or W), at their peak
+    peak_stashed: int = 0
+    # bytes of the stashed outputs and received inputs held for backwards (after an I: the
+    # layer inputs and output gradients its W needs), at their peak
+    peak_stashed_bytes: int = 0
+
+
+TOKEN_LOSS = "loss_sum"
+TOKEN_COUNT = "num_tokens"
+
+
+def is_token_loss(result: Any) -> bool:
+    """Whether a ``pipeline_loss`` result is in the per-token form ``{"loss_sum", "num_tokens"}``."""
+    return isinstance(result, Mapping) and TOKEN_LOSS in result
+
+
+def _token_loss_and_metrics(result: Mapping[str, Any], module: str) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """``(loss_sum, sums, metrics)``: ``sums`` holds loss_sum, num_tokens and every ``*_sum`` metric."""
+    loss_sum = result[TOKEN_LOSS]
+    if not isinstance(loss_sum, Tensor) or loss_sum.numel() != 1 or TOKEN_COUNT not in result or "loss" in result:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned 'loss_sum'; the per-token form is a dict with a scalar tensor "
+            "'loss_sum' (the summed token losses), 'num_tokens' (how many tokens it sums) and no 'loss'."
+        )
+    sums = {TOKEN_LOSS: loss_sum.detach().float().reshape(()),
+            TOKEN_COUNT: torch.as_tensor(result[TOKEN_COUNT]).detach().float().reshape(())}
+    rest = {k: v for k, v in result.items() if k not in (TOKEN_LOSS, TOKEN_COUNT)}
+    _, metrics = _loss_and_metrics({"loss": loss_sum, **rest}, module)
+    for name in [n for n in metrics if n.endswith("_sum")]:
+        sums[name] = metrics.pop(name).detach().float()
+    return loss_sum.reshape(()), sums, metrics
+
+
+def _loss_and_metrics(result: Any, module: str) -> tuple[Tensor, dict[str, Tensor]]:
+    if isinstance(result, Tensor):
+        loss, extra = result, {}
+    elif isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+        loss = result["loss"]
+        extra = {k: v for k, v in result.items() if k != "loss"}
+    else:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned {type(result).__name__}; return a scalar tensor or a "
+            "dict with a scalar tensor under 'loss' (and further scalar metrics)."
+        )
+    if loss.numel() != 1:
+        raise PipelineConfigError(
+            f"pipeline_loss for sink {module!r} returned a loss of shape {tuple(loss.shape)}; reduce it to a scalar."
+        )
+    metrics: dict[str, Tensor] = {}
+    for name, value in extra.items():
+        value = torch.as_tensor(value)
+        if value.numel() != 1:
+            raise PipelineConfigError(
+                f"pipeline_loss metric {name!r} of sink {module!r} has shape {tuple(value.shape)}; metrics must be "
+                "scalars."
+            )
+        metrics[str(name)] = value
+    return loss.reshape(()), metrics
+
+
+def _grad_payload(payload: Any) -> Any:
+    """The gradients accumulated on the leaves of a received payload (None where there is none)."""
+    return tree_map(lambda x: x.grad if isinstance(x, Tensor) else None, payload)
+
+
+def _payload_bytes(payload: Any) -> int:
+    """Bytes of the distinct tensors in a pytree (a tensor passed through twice counts once)."""
+    seen = {(t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size()
+            for t in tree_flatten(payload)[0] if isinstance(t, Tensor)}
+    return sum(seen.values())
+
+
+def _add_payloads(a: Any, b: Any) -> Any:
+    la, spec = tree_flatten(a)
+    lb, _ = tree_flatten(b)
+    out = [x if y is None else y if x is None else x + y for x, y in zip(la, lb)]
+    return spec.unflatten(out)
+
+
+@dataclass
+class _LayerPiece:
+    """One layer of a split-backward forward: its graph piece and, after ``I``, what ``W`` needs."""
+
+    params: list[nn.Parameter]  # the layer's trainable parameters
+    inputs: list[Any]  # pytree leaves of the layer's input (leaves of the autograd graph)
+    outputs: list[Any]  # pytree leaves of the layer's output
+    roots: list[Any] = field(default_factory=list)  # set by I: graph edges of the outputs W starts from
+    grads: list[Tensor] = field(default_factory=list)  # set by I: their gradients
+
+
+def _detached(payload: Any) -> Any:
+    """``payload`` with every tensor leaf detached, ``requires_grad`` kept: a new graph starts here."""
+    return tree_map(
+        lambda x: x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x, payload
+    )
+
+
+def _with_grads(leaves: Sequence[Any], grads: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
+    """The leaves that require grad and have a gradient, with those gradients."""
+    pairs = [(t, g) for t, g in zip(leaves, grads) if isinstance(t, Tensor) and t.requires_grad and g is not None]
+    return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+class StageExecutor:
+    """Runs one stage's layers for the runtime: the forward, a fused backward, or its halves.
+
+    Each phase is one small method, so a wrapper that changes how a stage computes (sharding,
+    recompute) plugs in here. A split forward applies ``runner.layers`` one by one; wrap the
+    layer modules themselves (as ``fully_shard`` and checkpoint wrappers do) to change them.
+    """
+
+    def __init__(self, runner: StageRunner) -> None:
+        self.runner = runner
+        self.module = runner.module
+        self.stage = runner.stage
+
+    def forward(self, x: Any, track_grad: bool, split: bool) -> tuple[Any, Optional[list[_LayerPiece]]]:
+        """The stage output for input ``x``; with ``split`` also the per-layer graph pieces."""
+        if not track_grad:
+            with torch.no_grad():
+                return self.runner(x), None
+        if not split:
+            return self.runner(x), None
+        pieces: list[_LayerPiece] = []
+        h = x  # the received input is already a graph leaf
+        for index, layer in enumerate(self.runner.layers):
+            if index:
+                h = _detached(h)
+            out = layer(h)
+            params = [p for p in layer.parameters() if p.requires_grad]
+            pieces.append(_LayerPiece(params, tree_flatten(h)[0], tree_flatten(out)[0]))
+            h = out
+        return h, pieces
+
+    def backward(self, roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]]) -> None:
+        """Fused backward: gradients of the stage input leaves and parameters in one call."""
+        if roots:
+            torch.autograd.backward(list(roots), list(grads))
+
+    def backward_input(self, pieces: list[_LayerPiece], out_grads: Sequence[Any], received: Sequence[Tensor]) -> list[Any]:
+        """``I``: gradients w.r.t. the ``received`` leaves (accumulated into their ``.grad``), layer
+        by layer from the last, keeping what each layer's ``W`` needs. ``out_grads`` is aligned
+        with the last layer's output leaves. Returns the layer inputs and output gradients the
+        ``W`` keeps (for the stash accounting); the pieces drop everything else, the layer
+        outputs included (``W`` starts from their autograd graph edges)."""
+        grads = list(out_grads)
+        for index in range(len(pieces) - 1, -1, -1):
+            piece = pieces[index]
+            roots, root_grads = _with_grads(piece.outputs, grads)
+            keep = bool(piece.params and roots)
+            if keep:  # the edges, not the tensors: W needs the graph, not the outputs' storage
+                piece.roots, piece.grads = [get_gradient_edge(t) for t in roots], root_grads
+            if index == 0:  # the first layer's graph reaches back to the received leaves
+                if roots and received:
+                    torch.autograd.backward(roots, root_grads, inputs=list(received), retain_graph=keep)
+                break
+            wanted = [t for t in piece.inputs if isinstance(t, Tensor) and t.requires_grad]
+            if not roots or not wanted:
+                grads = [None] * len(piece.inputs)
+                continue
+            got = iter(torch.autograd.grad(roots, wanted, root_grads, retain_graph=keep, allow_unused=True))
+            grads = [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in piece.inputs]
+        kept = [(piece.inputs, piece.grads) for piece in pieces if piece.roots]
+        for piece in pieces:
+            piece.inputs, piece.outputs = [], []
+        return kept
+
+    def backward_weight(self, pieces: list[_LayerPiece]) -> None:
+        """``W``: parameter gradients of every layer from what ``I`` kept, accumulated into ``.grad``."""
+        for piece in pieces:
+            if piece.roots:
+                torch.autograd.backward(piece.roots, piece.grads, inputs=piece.params)
+            piece.roots, piece.grads = [], []
+
+
+def _loss_grads(loss: Tensor, outputs: Sequence[Any]) -> list[Optional[Tensor]]:
+    """Gradients of ``loss`` w.r.t. the output leaves that require grad (None elsewhere)."""
+    wanted = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
+    if not wanted or not loss.requires_grad:
+        return [None] * len(outputs)
+    got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    return [next(got) if isinstance(t, Tensor) and t.requires_grad else None for t in outputs]
+
+
+class PipelineRuntime:
+    """Runs the actions of ``rank`` for one step.
+
+    Args:
+        layout: the placement.
+        rank: this process's global rank.
+        comm: the communicator (anything with ``exchange``).
+        runners: the stage this rank holds of each module.
+        hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
+        no_backward_modules: modules that run no backward (see
+            :meth:`~lightning_mmpp.core.placement.PipelineLayout.no_backward_modules`).
+        overlap: an exchange posts its transfers and returns; a compute waits only for the
+            receives it consumes (its inputs, its output gradients), so transfers run beside
+            the computes in between. ``False``: every exchange waits for its receives (and its
+            previous sends) before the next action, for comparison.
+    """
+
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        rank: int,
+        comm: Communicator,
+        runners: Mapping[str, StageRunner],
+        hooks: PipelineHooks,
+        tracer: Tracer | None = None,
+        no_backward_modules: frozenset[str] = frozenset(),
+        failures: FailureBoard | None = None,
+        gradient_sync: GradientSync | None = None,
+        overlap: bool = True,
+    ) -> None:
+        self.overlap = overlap
+        self.gradient_sync = gradient_sync if gradient_sync is not None else _NoGradientSync()
+        self.no_backward_modules = frozenset(no_backward_modules)
+        self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
+        self.tracer = tracer if tracer is not None else NULL_TRACER
+        self.layout = layout
+        self.rank = rank
+        self.comm = comm
+        self.stages = {module: StageExecutor(runner) for module, runner in runners.items()}
+        self.loss_stages = {
+            module for module in runners if layout.is_loss_stage(layout.slot(rank, module))
+        }
+        self.hooks = hooks
+        self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
+        self.multiple_sinks = len(layout.topology.sinks) > 1
+
+    def run(
+        self,
+        schedule: Schedule,
+        shard: Callable[[str, int], Any],
+        keep_sink_outputs: bool = False,
+        compute_loss: bool = True,
+    ) -> StepResult:
+        """Execute ``schedule`` for this rank.
+
+        Args:
+            shard: ``shard(module, k)`` -> the slice of microbatch ``k`` this rank's replica of
+                ``module`` processes.
+            keep_sink_outputs: keep the sink stage outputs (for predict).
+            compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
+        """
+        actions = schedule.for_rank(self.rank)
+        split = {a.module for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
+        step = _StepState(
+            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
+        )
+        # the action after which a stage's parameter gradients are complete for this step
+        last_gradient = {
+            a.module: index for index, a in enumerate(actions)
+            if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
+        }
+        finished: list[str] = []  # stages whose gradients are complete, told after the next exchange
+        for index, action in enumerate(actions):
+            try:
+                if isinstance(action, Exchange):
+                    self._exchange(step, action)
+                    for module in finished:  # the input gradients are on their way upstream first
+                        self.gradient_sync.after_last_backward(module)
+                    finished = []
+                elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
+                    last = last_gradient[action.module] == index
+                    self.gradient_sync.before_backward(action.module, last)
+                    self._compute(step, action)
+                    if last:
+                        finished.append(action.module)
+                else:
+                    self._compute(step, action)
+            except PipelineError:
+                raise
+            except Exception as err:  # this rank's own failure: the root cause its peers will name
+                transfers = action.sends + action.recvs if isinstance(action, Exchange) else ()
+                k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
+                self.failures.publish_exception(err, k)
+                raise
+        for module in finished:
+            self.gradient_sync.after_last_backward(module)
+        try:  # static_specs: the headers of the messages taken unread, one host read per step
+            self.comm.check_deferred_headers()
+        except RuntimeError as err:
+            self.failures.publish_exception(err, None)
+            raise
+        assert not step.posted, f"receives posted and never consumed: {step.posted}"
+        assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
+        return step.result
+
+    def _compute(self, step: "_StepState", action: Compute) -> None:
+        stage = self.stages[action.module]
+        k = action.microbatch
+        # the receives this compute consumes, before its span: the trace shows waiting apart
+        # from computing
+        self._take(step, action.module, k, Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD)
+        with self.tracer.span(PHASE_SPANS[action.phase], action.module, microbatch=k, stage=stage.stage):
+            if action.phase is Phase.FORWARD:
+                self._forward(step, stage, k)
+            elif action.phase is Phase.BACKWARD_INPUT:
+                self._backward_input(step, stage, k)
+            elif action.phase is Phase.BACKWARD_WEIGHT and (stage.module, k) in step.pieces:
+                self._backward_weight(step, stage, k)
+            else:  # a fused B, or a lone W (a stage whose inputs need no gradient)
+                self._backward(step, stage, k)
+
+    def _exchange(self, step: "_StepState", action: Exchange) -> None:
+        sends = self._collect_sends(step, action.sends)
+        recv_keys = list(dict.fromkeys(t.key for t in action.recvs))
+        with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
+            try:
+                if self.overlap:
+                    self.comm.post(sends, recv_keys)
+                else:
+                    got = self.comm.exchange(sends, recv_keys)
+            except RuntimeError as err:  # a peer failed, died or timed out: name the root cause
+                transfers = action.sends + action.recvs
+                peers = {t.peer for t in transfers}
+                raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
+        if self.overlap:
+            for t in action.recvs:
+                step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
+            if self.tracer.enabled:
+                now = time.time_ns()
+                step.posted_ns.update((t.key, now) for t in action.recvs)
+            return
+        for key, payload in got.items():
+            self._store(step, key, payload)
+
+    @staticmethod
+    def _store(step: "_StepState", key: MessageKey, payload: Any) -> None:
+        if key.direction is Direction.FORWARD:
+            step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
+        else:
+            step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+
+    def _take(self, step: "_StepState", module: str, k: int, direction: Direction) -> None:
+        """Wait for the receives posted for ``(module, k)`` in ``direction`` (overlap mode)."""
+        keys = step.posted.pop((module, k, direction), None)
+        if not keys:
+            return
+        with self.tracer.span("wait", "comm", microbatch=k):
+            for key, peer in keys.items():
+                try:
+                    payload = self.comm.take(key)
+                except RuntimeError as err:
+                    raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
+                self._store(step, key, payload)
+                if self.tracer.enabled:  # the receive's life: posted -> in the consumer's hands
+                    self.tracer.record("recv", "transfer", step.posted_ns.pop(key), time.time_ns(), track=1,
+                                       peer=peer, microbatch=key.microbatch, src=key.src_module, dst=key.dst_module,
+                                       direction=key.direction.name.lower())
+
+    def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
+        inputs = step.received.get((module, k), {})
+        if stage.stage == 0:
+            upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
+            x = self.hooks.pipeline_inputs(module, step.shard(module, k), upstream)
+        else:
+            x = inputs[module]
+        trained = step.training and module not in self.no_backward_modules
+        out, pieces = stage.forward(x, track_grad=trained, split=module in step.split)
+        loss_stage = module in self.loss_stages
+        if loss_stage and step.keep_sink_outputs:
+            step.result.sink_outputs.setdefault(k, {})[module] = out
+        if loss_stage and step.compute_loss:
+            returned = self.pipeline_loss(module, out, step.shard(module, k))
+            scale = 1.0 / (step.num_microbatches * self.layout.placements[module].dp)
+            if is_token_loss(returned):
+                if self.multiple_sinks:
+                    raise PipelineConfigError(
+                        f"pipeline_loss for sink {module!r} returned the per-token form, which needs a single sink "
+                        f"(this model has {sorted(self.layout.topology.sinks)}); return a mean loss per microbatch instead."
+                    )
+                loss, sums, metrics = _token_loss_and_metrics(returned, module)
+                step.result.sink_losses[(module, k)] = loss.detach()
+                if step.training:
+                    step.losses[(module, k)] = loss  # unscaled: gradients are divided by the global count
+                for name, value in sums.items():
+                    step.result.token_sums[name] = step.result.token_sums.get(name, 0) + value
+                self._accumulate(step.result, module, None, metrics, scale)
+            else:
+                loss, metrics = _loss_and_metrics(returned, module)
+                step.result.sink_losses[(module, k)] = loss.detach()
+                if step.training:
+                    step.losses[(module, k)] = loss * scale
+                self._accumulate(step.result, module, loss, metrics, scale)
+        if trained:
+            step.outputs[(module, k)] = out  # stashed until its backward
+            if pieces is not None:
+                step.pieces[(module, k)] = pieces
+            step.stashed += 1
+            step.result.peak_stashed = max(step.result.peak_stashed, step.stashed)
+            self._set_stash_bytes(step, (module, k), (out, inputs))
+            return
+        step.received.pop((module, k), None)
+        if not loss_stage:
+            step.outputs[(module, k)] = out  # freed once sent
+
+    def _output_grads(self, step: "_StepState", module: str, k: int) -> tuple[list[Any], list[Any]]:
+        """The stage output's leaves and their gradients (summed over consumers), aligned."""
+        out_leaves, _ = tree_flatten(step.outputs.pop((module, k)))
+        grad: Optional[Any] = None
+        for g in step.out_grads.pop((module, k), {}).values():
+            grad = g if grad is None else _add_payloads(grad, g)
+        grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
+        return out_leaves, grad_leaves
+
+    def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
+        if module in self.loss_stages:
+            step.outputs.pop((module, k), None)
+            loss = step.losses.pop((module, k))
+            stage.backward([loss] if loss.requires_grad else [], [None])
+        else:
+            stage.backward(*_with_grads(*self._output_grads(step, module, k)))
+        self._collect_input_grads(step, module, k)
+        self._release(step, module, k)
+
+    def _backward_input(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        module = stage.module
+        pieces = step.pieces[(module, k)]
+        if module in self.loss_stages:
+            step.outputs.pop((module, k), None)
+            grads = _loss_grads(step.losses.pop((module, k)), pieces[-1].outputs)
+        else:
+            _, grads = self._output_grads(step, module, k)
+        received = [
+            t for src, payload in step.received.get((module, k), {}).items() if src not in self.no_backward_modules
+            for t in tree_flatten(payload)[0] if isinstance(t, Tensor) and t.requires_grad
+        ]
+        kept = stage.backward_input(pieces, grads, received)
+        self._collect_input_grads(step, module, k)
+        self._set_stash_bytes(step, (module, k), kept)
+
+    def _backward_weight(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
+        stage.backward_weight(step.pieces.pop((stage.module, k)))
+        self._release(step, stage.module, k)
+
+    def _collect_input_grads(self, step: "_StepState", module: str, k: int) -> None:
+        """Take the gradients of the received inputs, to send to the producers that want them."""
+        inputs = step.received.pop((module, k), {})
+        grads = {src: _grad_payload(p) for src, p in inputs.items() if src not in self.no_backward_modules}
+        if grads:
+            step.in_grads[(module, k)] = grads
+
+    def _set_stash_bytes(self, step: "_StepState", key: tuple[str, int], held: Any) -> None:
+        step.stash_bytes[key] = _payload_bytes(held)
+        step.result.peak_stashed_bytes = max(step.result.peak_stashed_bytes, sum(step.stash_bytes.values()))
+
+    def _release(self, step: "_StepState", module: str, k: int) -> None:
+        """The last backward piece of ``(module, k)`` ran: it holds nothing any more."""
+        step.stashed -= 1
+        step.stash_bytes.pop((module, k), None)
+
+    def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
+        sends: dict[MessageKey, Any] = {}
+        for t in transfers:
+            key = t.key
+            if key in sends:
+                continue
+            if key.direction is Direction.FORWARD:
+                sends[key] = step.outputs[(key.src_module, key.microbatch)]
+            else:
+                sends[key] = step.in_grads[(key.dst_module, key.microbatch)][key.src_module]
+        for key in sends:
+            if key.direction is Direction.FORWARD and (not step.training or key.src_module in self.no_backward_modules):
+                # not stashed for a backward: an output is dropped once its consumers have it
+                step.outputs.pop((key.src_module, key.microbatch), None)
+            elif key.direction is Direction.BACKWARD:
+                pending = step.in_grads[(key.dst_module, key.microbatch)]
+                pending.pop(key.src_module, None)
+                if not pending:
+                    del step.in_grads[(key.dst_module, key.microbatch)]
+        return sends
+
+    def _accumulate(
+        self, result: StepResult, module: str, loss: Optional[Tensor], metrics: dict[str, Tensor], scale: float
+    ) -> None:
+        prefix = f"{module}_" if self.multiple_sinks else ""
+        values = {f"{prefix}{n}": v for n, v in metrics.items()}
+        if loss is not None:
+            values["loss"] = loss
+        for name, value in values.items():
+            share = value.detach().float() * scale
+            result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
+
+
+def _consumer(key: MessageKey) -> tuple[str, int, Direction]:
+    """The compute that needs a received message: the forward of its destination module, or
+    the backward of its source module (the gradient of that module's output)."""
+    module = key.dst_module if key.direction is Direction.FORWARD else key.src_module
+    return (module, key.microbatch, key.direction)
+
+
+@dataclass
+class _StepState:
+    """Everything one step holds between actions; emptied as backwards run."""
+
+    num_microbatches: int
+    training: bool
+    shard: Callable[[str, int], Any]
+    keep_sink_outputs: bool
+    compute_loss: bool
+    split: set[str]  # modules whose backward runs as I then W in this schedule
+    result: StepResult = field(default_factory=StepResult)
+    stashed: int = 0
+    stash_bytes: dict[tuple[str, int], int] = field(default_factory=dict)           # (module, k) -> bytes held
+    received: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (dst, k) -> {src: payload}
+    outputs: dict[tuple[str, int], Any] = field(default_factory=dict)               # (module, k) -> output
+    losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss
+    out_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (module, k) -> {consumer: grad}
+    in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
+    # receives posted and not taken yet: (consumer module, k, direction) -> {key: peer}
+    posted: dict[tuple[str, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
+    posted_ns: dict[MessageKey, int] = field(default_factory=dict)  # when each receive was posted (tracing)
+    pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph

@@ -1,0 +1,84 @@
+"""Parameters tied across stages or modules: one copy per owning stage, gradients summed.
+
+Megatron keeps the input embedding and the output head on the first and last stage and
+all-reduces their gradients in an "embedding group"; this is the same for any parameter a
+``LightningModule`` shares between layers that land on different stages (found by identity,
+see :func:`lightning_mmpp.model.partition.find_tied_parameters`). After the data-parallel sums, every
+replica of an owner stage holds that stage's gradient; one all-reduce over all owner ranks, to
+which replica 0 of each owner contributes its gradient and every other rank zeros, gives each
+copy the sum: the gradient of the single parameter in one process. Equal copies, equal
+gradients and the same optimizer keep the copies equal after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_mmpp.model.partition import TiedParameter
+from lightning_mmpp.core.placement import PipelineLayout
+
+__all__ = ["owner_ranks", "sum_tied_gradients", "tie_groups", "counts_in_norm"]
+
+
+def owner_ranks(layout: PipelineLayout, tie: TiedParameter) -> tuple[int, ...]:
+    """Every rank holding a copy (all dp replicas of every owner stage)."""
+    ranks = set()
+    for rank in range(layout.world_size):
+        for module, stage in tie.owners:
+            slot = layout.slot(rank, module)
+            if slot is not None and slot.stage == stage:
+                ranks.add(rank)
+    return tuple(sorted(ranks))
+
+
+def _contributes(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
+    """Whether this rank's copy enters the sum: it is replica 0 of an owner stage it holds."""
+    for module, stage in tie.owners:
+        slot = layout.slot(rank, module)
+        if slot is not None and slot.stage == stage and slot.replica == 0:
+            return True
+    return False
+
+
+def counts_in_norm(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
+    """Whether this rank counts the tied parameter in the global gradient norm: replica 0 of
+    its first owner stage only, so the parameter counts once, as in one process."""
+    module, stage = tie.owners[0]
+    slot = layout.slot(rank, module)
+    return slot is not None and slot.stage == stage and slot.replica == 0
+
+
+def tie_groups(layout: PipelineLayout, tied: Sequence[TiedParameter], timeout: timedelta) -> dict[tuple[int, ...], Any]:
+    """Process groups over the owner ranks of every trainable tie spanning several ranks.
+
+    Collective over the world: every rank calls it with the same ties, in the same order.
+    """
+    groups: dict[tuple[int, ...], Any] = {}
+    for tie in tied:
+        ranks = owner_ranks(layout, tie)
+        if tie.requires_grad and len(ranks) > 1 and ranks not in groups:
+            groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    return groups
+
+
+def sum_tied_gradients(
+    layout: PipelineLayout, tied: Sequence[TiedParameter], groups: Mapping[tuple[int, ...], Any], rank: int
+) -> None:
+    """Give every copy of every tied parameter the sum of its owners' gradients."""
+    for tie in tied:
+        ranks = owner_ranks(layout, tie)
+        if tie.local is None or not tie.requires_grad or len(ranks) < 2:
+            continue
+        param = tie.local
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        buffer = grad.clone() if _contributes(layout, tie, rank) else torch.zeros_like(grad)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=groups[ranks])
+        if param.grad is None:
+            param.grad = buffer
+        else:
+            param.grad.copy_(buffer)

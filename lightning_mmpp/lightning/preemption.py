@@ -1,0 +1,246 @@
+"""Preemption (SIGTERM, SLURM's requeue signal) that cannot hang a pipelined job.
+
+Lightning's own SIGTERM handler broadcasts a flag with a collective from inside the signal
+handler. Under a pipeline the handler runs while the rank is in the middle of point-to-point
+traffic, so the broadcast never matches and every rank waits for the process-group timeout.
+:class:`PreemptionHandler` replaces it:
+
+* the signal handler only records the signal (Python runs it between bytecodes of the main
+  thread);
+* a watcher thread learns of the signal at once through :func:`signal.set_wakeup_fd` (the C
+  handler writes the signal number there even while the main thread is blocked in a transfer);
+* at the next step boundary (the start of a training batch: the previous step, its optimizer
+  step and its callbacks are complete, and no transfer is pending) every rank contributes its
+  recorded signal to one small all-reduce, so all ranks agree on the same step, whichever rank
+  (or all) got the signal; the strategy then optionally saves a checkpoint and every rank exits
+  with status ``128 + signal`` (:class:`Preempted`, a ``SystemExit``);
+* if the main thread does not reach a boundary within ``grace_s`` plus the duration of the last
+  step (stuck in a transfer with a rank that will never answer, a long validation), the watcher
+  publishes the reason to the process group's store (see :mod:`lightning_mmpp.engine.failures`, so
+  peers name it) and ends the process with ``os._exit(128 + signal)``.
+
+Ctrl-C (SIGINT) is left to Lightning, unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from lightning_mmpp.lightning.lightning_api import cluster_environment_of, route_signal_handlers
+
+__all__ = ["Preempted", "PreemptionHandler", "preemption_signals"]
+
+GRACE_S = 5.0
+
+
+class Preempted(SystemExit):
+    """Raised on every rank at the step boundary where the ranks agreed to stop after a signal.
+
+    A ``SystemExit`` with status ``128 + signal`` (143 for SIGTERM), so the process ends
+    non-zero without a traceback and a scheduler sees a preempted job, not a success.
+    """
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def preemption_signals(trainer: Any) -> tuple[int, ...]:
+    """SIGTERM, plus SLURM's requeue signal (SIGUSR1 by default) when Lightning's SLURM
+    environment requeues automatically."""
+    found = [int(signal.SIGTERM)]
+    try:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        env = cluster_environment_of(trainer)
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+            found.append(int(env.requeue_signal))
+    except Exception:  # noqa: BLE001 - no Lightning internals: SIGTERM only
+        pass
+    return tuple(found)
+
+
+class PreemptionHandler:
+    """Records preemption signals and turns them into an agreed stop at a step boundary.
+
+    Args:
+        signals: the signal numbers to own.
+        on_stuck: called from the watcher thread with the signal number when the main thread
+            did not reach a step boundary in time (publish a report); the process then exits.
+        grace_s: seconds, on top of the last step's duration, before the watcher gives up on
+            the main thread reaching a boundary.
+    """
+
+    def __init__(self, signals: Sequence[int], on_stuck: Callable[[int, float], None] = lambda s, t: None,
+                 grace_s: float = GRACE_S) -> None:
+        self.signals = tuple(signals)
+        self.on_stuck = on_stuck
+        self.grace_s = grace_s
+        self.requested: Optional[int] = None
+        self._resolved = threading.Event()
+        self._last_boundary: Optional[float] = None
+        self._last_step_s = 0.0
+        self._fds: Optional[tuple[int, int]] = None
+        self._old_wakeup_fd: Optional[int] = None
+        self._thread: Optional[threading.Thread] = None
+        self._previous: dict[int, Any] = {}
+
+    # --- installing -----------------------------------------------------------------------
+
+    def install(self, trainer: Any = None) -> bool:
+        """Own the signals (main thread only; returns False elsewhere).
+
+        With a ``trainer``, Lightning's SIGTERM notifier and SLURM requeue handler are replaced
+        by :meth:`record` (Lightning registers its handlers after the strategy's setup and
+        composes them with any handler already installed, so replacing them is the only way
+        to keep its collective out of the signal handler); otherwise the handlers are set here.
+        """
+        if threading.current_thread() is not threading.main_thread() or self._fds is not None:
+            return False
+        self.requested = None
+        self._resolved.clear()
+        self._last_boundary = None
+        if trainer is not None:
+            route_signal_handlers(trainer, self.record)
+        for signum in self.signals:  # effective now; Lightning re-registers the same function later
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self.record)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._fds = (read_fd, write_fd)
+        self._old_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, args=(read_fd,), name="mmpp-preemption", daemon=True)
+        self._thread.start()
+        return True
+
+    def uninstall(self) -> None:
+        """Give the signals back (Lightning restores its own originals at teardown) and stop the watcher."""
+        if self._fds is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None else -1)
+        for signum, handler in self._previous.items():
+            if signal.getsignal(signum) == self.record and handler is not None:
+                signal.signal(signum, handler)
+        self._previous = {}
+        read_fd, write_fd = self._fds
+        self._fds = None
+        self._resolved.set()
+        os.close(write_fd)  # the watcher's read returns b"" and it ends
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        os.close(read_fd)
+
+    # --- the signal side ------------------------------------------------------------------
+
+    def record(self, signum: int, frame: Any = None) -> None:
+        """The signal handler: remember the first signal, nothing else."""
+        if self.requested is None:
+            self.requested = int(signum)
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            hits = [b for b in data if b in self.signals]
+            if hits:
+                break
+        signum = hits[0]
+        if self.requested is None:
+            self.requested = signum
+        budget = self.grace_s + self._last_step_s
+        if self._resolved.wait(budget):
+            return
+        try:
+            self.on_stuck(signum, budget)
+        finally:
+            sys.stderr.flush()
+            os._exit(128 + signum)
+
+    # --- the step side --------------------------------------------------------------------
+
+    def agree(self, world_size: int, rank: int, device: Any) -> dict[int, int]:
+        """At a step boundary (every rank, same point): ``{rank: signal}`` of the ranks that
+        recorded a signal (empty: carry on).
+
+        One all-reduce of a ``world_size`` vector when ``world_size > 1``: deadlock-free because
+        every rank calls it at the same boundary with no point-to-point transfer pending.
+        """
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._last_step_s = now - self._last_boundary
+        self._last_boundary = now
+        if world_size == 1:
+            return {rank: self.requested} if self.requested is not None else {}
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+        if self.requested is not None:
+            flags[rank] = self.requested
+        dist.all_reduce(flags)
+        return {r: value for r, value in enumerate(flags.tolist()) if value}
+
+    def resolved(self) -> None:
+        """The stop is agreed: the watcher must not end the process (a checkpoint may be saving)."""
+        self._resolved.set()
+
+
+def stop_at_boundary(handler: PreemptionHandler, strategy: Any, checkpoint_path: Optional[str],
+                     failures: Any = None) -> None:
+    """Called by the strategy at every training step boundary: stop every rank, together, after
+    a preemption signal reached any of them (optionally saving ``checkpoint_path`` first).
+
+    If the agreement fails because a peer left (its watcher ended it while it was stuck), the
+    error names that peer through ``failures`` (a :class:`~lightning_mmpp.engine.failures.FailureBoard`).
+    """
+    try:
+        got = handler.agree(strategy.world_size, strategy.global_rank, strategy.root_device)
+    except RuntimeError as err:
+        if failures is None:
+            raise
+        raise failures.transport_failure(err, range(strategy.world_size)) from err
+    if not got:
+        return
+    handler.resolved()
+    signum = min(got.values())
+    name = signal.Signals(signum).name
+    trainer = strategy.lightning_module.trainer
+    saved = ""
+    if checkpoint_path is not None:
+        trainer.save_checkpoint(checkpoint_path)
+        saved = f"; checkpoint saved to {checkpoint_path}"
+    if signum != signal.SIGTERM and strategy.global_rank == 0:
+        saved += _requeue_slurm_job()
+    message = (f"rank {strategy.global_rank}: preempted by {name} (received by rank(s) {sorted(got)}); all ranks "
+               f"stopped before step {trainer.global_step}{saved}; exiting with status {128 + signum}")
+    print(message, file=sys.stderr, flush=True)
+    raise Preempted(signum, message)
+
+
+def _requeue_slurm_job() -> str:
+    """What Lightning's SLURM auto-requeue does after its save: ``scontrol requeue <job>``."""
+    import subprocess
+
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    try:
+        code = subprocess.call(["scontrol", "requeue", job])
+    except FileNotFoundError:
+        return f"; could not requeue SLURM job {job}: scontrol not found"
+    return f"; requeued SLURM job {job}" if code == 0 else f"; requeueing SLURM job {job} failed ({code})"
