@@ -42,9 +42,9 @@ class MetricReducer:
         names = self._names.get(kind, [])
         while True:
             unknown = float(any(n not in names for n in local))
-            zero = torch.zeros((), device=self.device)
+            zero = torch.zeros((), device=self.device, dtype=torch.float32)  # whatever the default dtype
             values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
-            vector = torch.stack(values + [torch.tensor(unknown, device=self.device)])
+            vector = torch.stack(values + [torch.tensor(unknown, device=self.device, dtype=torch.float32)])
             if self.world_size > 1:
                 dist.all_reduce(vector, op=dist.ReduceOp.SUM)
             if vector[-1].item() == 0:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import Tensor
-from lightning_mmpp import torch_api as pytree
 
+from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout
 
@@ -39,7 +39,6 @@ __all__ = [
     "Unsplit",
     "batch_size_of",
     "microbatch_count",
-    "same_order_on_every_rank",
     "slice_batch",
     "split_microbatches",
     "unwrap_unsplit",

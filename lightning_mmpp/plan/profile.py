@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from lightning_mmpp import torch_api as pytree
 
+from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
 from lightning_mmpp.model.partition import _layer_container, named_layers
