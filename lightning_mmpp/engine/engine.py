@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_mmpp.core.actions import Schedule
-from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, StepKind
 from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.core.schedule import build_schedule, check_schedule_args
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
@@ -142,9 +142,9 @@ class PipelineEngine:
         model: nn.Module,
         layout: PipelineLayout,
         num_microbatches: int,
-        schedule: str = "1f1b",
+        schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B,
         *,
-        stage_numbering: str = "alap",
+        stage_numbering: Numbering | str = DEFAULT_NUMBERING,
         device: Optional[torch.device] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         precision: str = "32-true",
@@ -157,7 +157,9 @@ class PipelineEngine:
         launch_in_backward: Optional[bool] = None,
         overlap: bool = True,
     ) -> None:
-        check_engine_options(layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained)
+        schedule, stage_numbering = check_engine_options(
+            layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained
+        )
         initialised = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if initialised else 1
         self.rank = dist.get_rank() if initialised else 0
@@ -173,7 +175,7 @@ class PipelineEngine:
         self._in_step = False
         self._closed = False
         self._steps = 0
-        self._schedules: dict[tuple[str, bool, int], Schedule] = {}
+        self._schedules: dict[tuple[ScheduleName, bool, int], Schedule] = {}
         self._groups: list[Any] = []
 
         self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
@@ -257,12 +259,13 @@ class PipelineEngine:
         return [p for runner in self.partition.runners.values() for p in runner.parameters()]
 
     def schedule(
-        self, forward_only: bool = False, num_microbatches: Optional[int] = None, name: Optional[str] = None
+        self, forward_only: bool = False, num_microbatches: Optional[int] = None,
+        name: ScheduleName | str | None = None,
     ) -> Schedule:
         """The action lists of a training (or forward-only) step of ``num_microbatches`` under the
         engine's schedule (or ``name``), built once and cached."""
         m = num_microbatches or self.num_microbatches
-        name = "gpipe" if forward_only else name or self.schedule_name
+        name = ScheduleName.GPIPE if forward_only else ScheduleName.parse(name or self.schedule_name)
         key = (name, forward_only, m)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(
@@ -303,15 +306,15 @@ class PipelineEngine:
 
     def run_pipeline(
         self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None,
-        schedule: Optional[str] = None,
+        schedule: ScheduleName | str | None = None,
     ) -> StepResult:
         """The pipeline part of :meth:`step` alone: this rank's actions for ``batch``, with no
         gradient synchronisation and no metric reduction afterwards (for measuring the schedule,
         or for a caller that reduces on its own). ``schedule`` runs another schedule than the
         engine's on the same stages (its results are the same; its timing and memory are not)."""
         kind = StepKind.parse(kind)
-        m, shard = self.batches.split(batch, kind.value)
-        self.failures.begin(self._steps if step_index is None else step_index, kind.value)
+        m, shard = self.batches.split(batch, kind)
+        self.failures.begin(self._steps if step_index is None else step_index, kind)
         self.tracer.step = self._steps if step_index is None else step_index
         self._steps += 1
         predict = kind is StepKind.PREDICT
@@ -361,7 +364,7 @@ class PipelineEngine:
         divided by the global token count of the step (``None`` when no sink used that form).
         """
         local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
-        reduced = self.metrics.reduce(local, kind.value)
+        reduced = self.metrics.reduce(local, kind)
         metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
         sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
         if not sums:
@@ -429,14 +432,15 @@ class PipelineEngine:
 def check_engine_options(
     layout: PipelineLayout,
     num_microbatches: Optional[int],
-    schedule: str,
-    stage_numbering: str,
+    schedule: ScheduleName | str,
+    stage_numbering: Numbering | str,
     static_shapes: bool,
     pretrained: Optional[Mapping[str, Any]],
-) -> None:
-    """The engine's options against the layout: raised identically on every rank, before any collective."""
-    check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
-    check_memory_options(layout.placements, schedule)
+) -> tuple[ScheduleName, Numbering]:
+    """The engine's options against the layout, raised identically on every rank before any
+    collective; returns the schedule and the stage numbering parsed."""
+    parsed = check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
+    check_memory_options(layout.placements, parsed[0])
     if not isinstance(static_shapes, bool):
         raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")
     unknown = sorted(set(pretrained or {}) - set(layout.placements))
@@ -445,6 +449,7 @@ def check_engine_options(
             f"pretrained= names {unknown}, which are not placed modules {list(layout.placements)}; key it by "
             "placement name."
         )
+    return parsed
 
 
 def default_device() -> torch.device:

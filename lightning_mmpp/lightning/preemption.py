@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from lightning_mmpp.engine.failures import FailureKind
 from lightning_mmpp.lightning.lightning_api import cluster_environment_of, route_signal_handlers
 
 __all__ = ["Preempted", "PreemptionHandler", "install_preemption", "preemption_signals"]
@@ -251,7 +252,7 @@ def install_preemption(handler: Optional[PreemptionHandler], trainer: Any, board
     the grace period leaves its root cause on the failure ``board`` before it exits."""
 
     def on_stuck(signum: int, waited_s: float) -> None:  # watcher thread: leave a root cause
-        report = board.report("preempted", message=(
+        report = board.report(FailureKind.PREEMPTED, message=(
             f"received {signal.Signals(signum).name} and left mid-step (no step boundary within {waited_s:.0f} s)"))
         print(f"{report.describe()}; exiting with status {128 + signum}", file=sys.stderr, flush=True)
         board.publish(report)

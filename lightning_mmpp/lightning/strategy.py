@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, StepKind
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout, placements_table, placements_world_size
 from lightning_mmpp.core.schedule import Schedule
 from lightning_mmpp.core.topology import ModuleTopology
@@ -91,9 +91,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         placements: Mapping[str, ModulePlacement],
         topology: Optional[Mapping[str, Sequence[str]]] = None,
         num_microbatches: Optional[int] = None,
-        schedule: str = "1f1b",
+        schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B,
         *,
-        stage_numbering: Literal["alap", "asap"] = "alap",
+        stage_numbering: Numbering | str = DEFAULT_NUMBERING,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -133,7 +133,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
 
     def _check_options(self) -> None:
         placeholder = self._layout or PipelineLayout(self._placements, {m: [] for m in self._placements})
-        check_engine_options(
+        self.schedule_name, self.stage_numbering = check_engine_options(
             placeholder if self._layout is None else self._layout, self.num_microbatches, self.schedule_name,
             self.stage_numbering, self.static_shapes, self.pretrained,
         )
@@ -384,7 +384,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         if self._layout is None:
             return (f"{head}, world_size={self.ranks_needed}, topology from the model: global stages once the "
                     f"Trainer connects it)\n{placements_table(self._placements)}")
-        return f"{head}, world_size={self.layout.world_size})\n{self.layout.table()}"
+        return f"{head}, world_size={self.layout.world_size})\n{self.layout.table(self.stage_numbering)}"
 
     __repr__ = __str__
 
