@@ -124,17 +124,6 @@ def describe_rank(layout: Optional[PipelineLayout], rank: int) -> str:
     return ", ".join(parts) if parts else "no module"
 
 
-def _default_store() -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a backend without a store: reports stay local
-        return None
-
-
 class FailureBoard:
     """This rank's view of the failure reports of one Trainer call.
 
@@ -169,7 +158,9 @@ class FailureBoard:
         import torch.distributed as dist
 
         self.failed = False
-        base = _default_store()
+        from lightning_mmpp.torch_api import default_store
+
+        base = default_store()
         if base is None or self.world_size == 1:
             return
         ticket = int(base.add("mmpp/failures/tickets", 1))
