@@ -5,17 +5,23 @@ Run it through the shell script (no arguments). It detects the GPUs and picks a 
 * ``gpu`` (one or more CUDA devices): world size 1 with every module colocated on one rank,
   NCCL backend, through the equivalence layouts that fit one rank (1F1B and GPipe against
   single-process training on the same GPU), fit / validate / test / predict, ``bf16-mixed``,
-  checkpoint save and exact resume, and the memory check (``torch.cuda.max_memory_allocated``
-  next to the theory). With two or more GPUs also the multi-rank equivalence matrix on NCCL (one
-  rank per GPU, ``tests/test_equivalence.py`` with ``MMPP_TEST_DEVICE=cuda``) and the schedule
-  benchmarks.
-* ``nogpu`` (no CUDA, or ``MMPP_GPU_CHECK_MODE=nogpu``): the same single-rank checks on CPU / gloo
-  and the multi-rank matrix reduced to one 2-rank layout, so every code path of this script
-  runs in CI (``tests/test_gpu_check.py``) and cannot rot.
+  checkpoint save and exact resume, the memory check (``torch.cuda.max_memory_allocated``
+  next to the theory), the planner's per-layer profile on the GPU and the NVTX ranges of a
+  traced fit (real ``torch.cuda.nvtx``). With two or more GPUs also the multi-rank
+  equivalence matrix on NCCL (one rank per GPU, ``tests/test_equivalence.py`` with
+  ``MMPP_TEST_DEVICE=cuda``). In both modes the schedule benchmark (sleep stages on gloo
+  processes: ours against ``torch.distributed.pipelining``).
+* ``nogpu`` (no CUDA, or ``MMPP_GPU_CHECK_MODE=nogpu``): every check above has its plumbing
+  twin, the same code on CPU / gloo: the single-rank checks on CPU (the memory check without
+  ``max_memory_allocated``, the NVTX check through a recording stand-in for
+  ``torch.cuda.nvtx``), the multi-rank matrix reduced to one 2-rank layout, the benchmark with
+  1 ms sleeps. CI runs this whole mode (``tests/test_gpu_check.py``), so the script cannot rot.
 
-``MMPP_GPU_CHECK_INJECT_FAILURE=<check>`` makes that check fail on purpose (the test uses it to
-prove that a failure turns the exit status non-zero). Exit status: 0 when every check passed
-or was skipped for a stated reason, 1 otherwise. A summary table is printed at the end.
+``MMPP_GPU_CHECK_INJECT_FAILURE=<check>`` marks that check failed after it ran (the test uses
+it to prove that a failure turns the exit status non-zero). Exit status: 0 when every check
+passed or was skipped for a stated reason, 1 otherwise. A summary table is printed at the end:
+one row per check (``PASS`` / ``FAIL`` / ``SKIP``, seconds, a one-line detail), then
+``ALL PASSED`` or ``FAILED: <checks>``; a failed check's traceback or output is printed above.
 """
 
 from __future__ import annotations
@@ -242,10 +248,52 @@ def check_planner_profile(accelerator: str) -> str:
 
     topology = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
     batch = next(iter(make_loader(topology, 8, 8)))
-    profile = plan.profile_model(MultiModalModel(topology, llm_layers=8), batch, topology,
-                                 device="cuda" if accelerator == "gpu" else "cpu", repeat=2)
+    profile = plan.profile_model(MultiModalModel(topology, llm_layers=8), batch,
+                                 device="cuda" if accelerator == "gpu" else "cpu", repeats=2, topology=topology)
     layers = sum(len(cost.layers) for cost in profile.modules.values())
     return f"{layers} layers of {len(profile.modules)} modules profiled on {profile.device}"
+
+
+def check_nvtx(accelerator: str) -> str:
+    """A traced fit pushes one NVTX range per action, balanced, named by module, stage and
+    microbatch: on CUDA through the real ``torch.cuda.nvtx`` (on by default with ``trace_dir=``),
+    without CUDA through a recording stand-in (asked for with ``MMPP_NVTX=1``)."""
+    import tempfile
+
+    from lightning_mmpp import MultiModulePipelineStrategy
+    from lightning_mmpp.engine.trace import NVTX_ENV
+    from tests.models import MultiModalModel, make_loader
+    from tests.test_nvtx import FakeNvtx
+
+    topology, placements, m, batch = _one_rank_layouts()["all_colocated_world1"]
+    cuda = accelerator == "gpu"
+    real = (torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop)
+    recorder = FakeNvtx(real=real if cuda else None)
+    saved_env = os.environ.pop(NVTX_ENV, None)
+    if not cuda:
+        os.environ[NVTX_ENV] = "1"
+    recorder.install()
+    steps = 2
+    try:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, trace_dir=trace_dir)
+            _trainer(1, accelerator, max_steps=steps, limit_val_batches=0, strategy=strategy).fit(
+                MultiModalModel(topology), make_loader(topology, batch, batch * steps))
+    finally:
+        torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop = real
+        os.environ.pop(NVTX_ENV, None)
+        if saved_env is not None:
+            os.environ[NVTX_ENV] = saved_env
+    if recorder.depth != 0:
+        raise AssertionError(f"{recorder.depth} NVTX range(s) left open")
+    for module in topology:
+        for phase in ("forward", "backward"):
+            name = f"{phase} {module} microbatch={m - 1} stage=0"
+            if recorder.pushed.count(name) != steps:
+                raise AssertionError(f"NVTX range {name!r} pushed {recorder.pushed.count(name)} times, not {steps}: "
+                                     f"{recorder.pushed[:12]}")
+    how = "torch.cuda.nvtx" if cuda else "a stand-in for torch.cuda.nvtx (no CUDA)"
+    return f"{len(recorder.pushed)} balanced ranges through {how}, e.g. {recorder.pushed[1]!r}"
 
 
 class _Skip(Exception):
@@ -259,6 +307,7 @@ SINGLE_RANK_CHECKS: dict[str, Callable[[str], str]] = {
     "checkpoint save/resume": check_checkpoint,
     "memory (max_memory_allocated vs theory)": check_memory,
     "planner per-layer profile": check_planner_profile,
+    "NVTX ranges of a traced fit": check_nvtx,
 }
 
 
@@ -274,9 +323,10 @@ def _single_rank_worker(rank: int, world: int, inject: str) -> list[tuple[str, s
     for name, check in SINGLE_RANK_CHECKS.items():
         start = time.monotonic()
         try:
-            if inject and inject in name:
-                raise RuntimeError(f"failure injected by MMPP_GPU_CHECK_INJECT_FAILURE={inject!r}")
             detail = check(accelerator)
+            if inject and inject in name:  # after the check ran: the whole mode runs even then
+                raise RuntimeError(f"failure injected by MMPP_GPU_CHECK_INJECT_FAILURE={inject!r} "
+                                   f"(the check itself passed: {detail})")
             out.append((name, "PASS", time.monotonic() - start, detail))
         except _Skip as skip:
             out.append((name, "SKIP", time.monotonic() - start, str(skip)))
@@ -305,21 +355,45 @@ def _subprocess(name: str, cmd: list[str], env: dict[str, str], timeout: float) 
     return Outcome(name, status, time.monotonic() - start, last[:200])
 
 
-def multi_rank_checks() -> list[Outcome]:
+@dataclass
+class MultiRankCheck:
+    """A subprocess check in both modes: the real one on GPUs and its plumbing twin without."""
+
+    name: str
+    gpu_cmd: list[str]
+    gpu_env: dict[str, str]
+    min_gpus: int
+    plumbing_name: str
+    plumbing_cmd: list[str]
+    timeout: float
+
+
+def _multi_rank_checks() -> list[MultiRankCheck]:
     py = sys.executable
-    if MODE == "nogpu":
-        # plumbing: the matrix path on two CPU ranks, one layout
-        return [_subprocess("equivalence matrix (plumbing: 2 CPU ranks)",
-                            [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_equivalence.py",
-                             "-k", "test_pipeline_matches_single_process and enc-llm]"], {}, 240)]
-    if GPUS < 2:
-        return [Outcome("equivalence matrix on NCCL", "SKIP", 0.0, "needs >= 2 GPUs"),
-                Outcome("schedule benchmarks", "SKIP", 0.0, "needs >= 2 GPUs")]
-    outcomes = [_subprocess(f"equivalence matrix on NCCL ({GPUS} GPUs)",
-                            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_equivalence.py"],
-                            {"MMPP_TEST_DEVICE": "cuda"}, 300)]
-    outcomes.append(_subprocess("schedule benchmark: ours vs torch pipelining (sleep stages)",
-                                [py, "benchmarks/bench_vs_torch.py", "--rounds", "1", "--steps", "2"], {}, 120))
+    equivalence = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_equivalence.py"]
+    # sleep stages on gloo / CPU processes in both modes: the schedules' timing, not the GPU's
+    bench = [py, "benchmarks/bench_vs_torch.py", "--rounds", "1"]
+    return [
+        MultiRankCheck(f"equivalence matrix on NCCL ({GPUS} GPUs)", equivalence, {"MMPP_TEST_DEVICE": "cuda"}, 2,
+                       "equivalence matrix (plumbing: 2 CPU ranks)",
+                       equivalence + ["-x", "-k", "test_pipeline_matches_single_process and enc-llm]"], 300),
+        MultiRankCheck("schedule benchmark: ours vs torch pipelining (sleep stages)", bench + ["--steps", "2"],
+                       {"MMPP_TEST_DEVICE": "cpu"}, 0,
+                       "schedule benchmark (plumbing: 1 ms sleep stages)",
+                       bench + ["--steps", "1", "--m", "5", "--tf", "0.001", "--tb", "0.002"], 150),
+    ]
+
+
+def multi_rank_checks() -> list[Outcome]:
+    outcomes = []
+    for check in _multi_rank_checks():
+        if MODE == "nogpu":
+            outcomes.append(_subprocess(check.plumbing_name, check.plumbing_cmd, {"MMPP_TEST_DEVICE": "cpu"},
+                                        check.timeout))
+        elif GPUS < check.min_gpus:
+            outcomes.append(Outcome(check.name, "SKIP", 0.0, f"needs >= {check.min_gpus} GPUs"))
+        else:
+            outcomes.append(_subprocess(check.name, check.gpu_cmd, check.gpu_env, check.timeout))
     return outcomes
 
 
