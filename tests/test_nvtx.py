@@ -117,6 +117,25 @@ def test_nvtx_on_a_cpu_build_of_torch_is_refused_naming_the_fix(monkeypatch):
         Tracer(0, nvtx=True)
 
 
+def test_the_engine_takes_nvtx_without_a_trace(monkeypatch):
+    """``PipelineEngine(nvtx=True)`` with no trace_dir: refused on a CPU build of torch (naming the
+    fix); through a stand-in, one range per action and nothing recorded."""
+    from lightning_mmpp import ModulePlacement, PipelineEngine, PipelineLayout
+
+    monkeypatch.delenv(trace.NVTX_ENV, raising=False)
+    layout = PipelineLayout({m: ModulePlacement(rank_offset=0) for m in TOPOLOGY}, TOPOLOGY)  # one rank
+    if torch.version.cuda is None:
+        with pytest.raises(PipelineConfigError, match="use a CUDA build of torch"):
+            PipelineEngine(MultiModalModel(TOPOLOGY), layout, 2, nvtx=True)
+    fake = FakeNvtx()
+    fake.install(monkeypatch)
+    engine = PipelineEngine(MultiModalModel(TOPOLOGY), layout, 2, nvtx=True)
+    engine.step(next(iter(make_loader(TOPOLOGY, 4, 4))))
+    engine.close()
+    assert fake.depth == 0 and engine.tracer.events == []
+    assert sum(name.startswith("forward ") for name in fake.pushed) == 2 * len(TOPOLOGY), fake.pushed
+
+
 def _fit_with_fake_nvtx(rank: int, world: int, trace_dir: str) -> list[str]:
     os.environ[trace.NVTX_ENV] = "1"
     fake = FakeNvtx()

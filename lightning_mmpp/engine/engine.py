@@ -51,7 +51,7 @@ from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options
 from lightning_mmpp.engine.tied import counts_in_norm, sum_tied_gradients, tie_groups
-from lightning_mmpp.engine.trace import NULL_TRACER, Tracer, merge_traces
+from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction
 from lightning_mmpp.model.partition import Partition, partition_model
@@ -132,6 +132,8 @@ class PipelineEngine:
             accelerators, not on CPU; see :mod:`lightning_mmpp.engine.data_parallel`).
         overlap: transfers run beside computes (default); ``False`` waits for every exchange, for
             comparison (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`).
+        nvtx: push an NVTX range per action (forward/backward/I/W/exchange with module, stage and
+            microbatch) for Nsight Systems; default: ``MMPP_NVTX``, else on CUDA when tracing.
 
     ``torch.distributed`` must be initialised when the layout has more than one rank, with the
     layout's world size. Configuration errors are raised on every rank before any collective.
@@ -156,6 +158,7 @@ class PipelineEngine:
         timeout: timedelta = timedelta(minutes=30),
         launch_in_backward: Optional[bool] = None,
         overlap: bool = True,
+        nvtx: Optional[bool] = None,
     ) -> None:
         schedule, stage_numbering = check_engine_options(
             layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained
@@ -193,7 +196,7 @@ class PipelineEngine:
             layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers
         )
         self.no_backward_modules = layout.no_backward_modules(self.partition.frozen_modules)
-        self.tracer: Tracer | Any = Tracer(self.rank) if trace_dir is not None else NULL_TRACER
+        self.tracer: Tracer | Any = tracer_for(self.rank, trace_dir, nvtx=nvtx, device=self.device)
         # a parameter tied across ranks counts once in the global norm, on its first owner
         counted_elsewhere = [t.local for t in self.partition.tied
                              if t.local is not None and not counts_in_norm(layout, t, self.rank)]

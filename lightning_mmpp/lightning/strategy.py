@@ -67,10 +67,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             omitted when the LightningModule declares it as ``pipeline_topology``; if both are
             given they must agree.
         num_microbatches: microbatches per global batch.
-        schedule, stage_numbering, pretrained, static_shapes, trace_dir: the engine's options, see
+        schedule, stage_numbering, pretrained, static_shapes, trace_dir, nvtx: the engine's options, see
             :class:`~lightning_mmpp.engine.engine.PipelineEngine` (``"1f1b"``, ``"gpipe"`` or
             ``"zero_bubble"``; ``{module: weights file}``; a promise of fixed shapes; a directory
-            for a Chrome trace of every action, written at teardown).
+            for a Chrome trace of every action, written at teardown; NVTX ranges per action).
         process_group_backend: defaults to gloo on CPU, NCCL on CUDA.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"`` or
@@ -106,6 +106,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         pretrained: Optional[Mapping[str, Union[str, os.PathLike, PretrainedWeights]]] = None,
         preemption_checkpoint: Optional[str] = None,
         static_shapes: bool = False,
+        nvtx: Optional[bool] = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -122,6 +123,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         self.pretrained = dict(pretrained or {})
         self._check_options()
         self.trace_dir = trace_dir
+        self.nvtx = nvtx
         self.preemption_checkpoint = preemption_checkpoint
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -254,7 +256,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             stage_numbering=self.stage_numbering, device=self.root_device,
             optimizers=self.optimizers if fitting else (), convert_module=self.precision_plugin.convert_module,
             precision=str(getattr(self.precision_plugin, "precision", "32-true")), pretrained=self.pretrained,
-            static_shapes=self.static_shapes, trace_dir=self.trace_dir, timeout=self._timeout,
+            static_shapes=self.static_shapes, trace_dir=self.trace_dir, timeout=self._timeout, nvtx=self.nvtx,
         )
         self.setup_precision_plugin()
         if fitting:
