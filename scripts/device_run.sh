@@ -121,6 +121,22 @@ check_rc=$?
 MMPP_TEST_DEVICE=cuda part pytest 240 "$PY" -m pytest -q -rA -p no:cacheprovider \
   tests/test_equivalence.py tests/test_nvtx.py
 test_rc=$?
+# DEVICE_RUN_BENCH=1: benchmarks, after the checks. The engine's overhead on the GPU, then the
+# sleep-stage schedule benchmarks on this machine's CPU cores (gloo), for this tree and, when
+# MMPP_BENCH_BASELINE names another checkout, for that one right after (a before/after in one run)
+if [ -n "${DEVICE_RUN_BENCH:-}" ]; then
+  part bench_gpu 90 "$PY" benchmarks/bench_engine_overhead.py --rounds 5 --steps 5
+  bench_cpu() {
+    for bench in bench_pipeline bench_vs_torch; do
+      for tree in . ${MMPP_BENCH_BASELINE:-}; do
+        echo "##### tree: $tree"
+        (cd "$tree" && PYTHONPATH=$PWD "$PY" "benchmarks/$bench.py" --rounds 2 --steps 3)
+      done
+    done
+  }
+  export -f bench_cpu
+  part bench_cpu 200 bash -c bench_cpu
+fi
 echo "--- summary ($((SECONDS - START)) s in all; install exit $install_rc)"
 cat "$SUMMARY"
 ((check_rc == 0 && test_rc == 0))
