@@ -171,11 +171,12 @@ class OurPipeline:
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
                  mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0,
                  tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False,
-                 static_specs: bool = False) -> None:
+                 static_specs: bool = False, reuse_receive_buffers: bool = True) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
         (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
         ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`);
-        ``static_specs``: the communicator's (headers checked once per step)."""
+        ``static_specs``, ``reuse_receive_buffers``: the communicator's (headers checked once per
+        step; receive buffers pooled)."""
         self.layout, self.rank, self.m = layout, rank, m
 
         def stage() -> nn.Module:
@@ -187,7 +188,8 @@ class OurPipeline:
             slot.module: StageRunner(slot.module, slot.stage, [stage()], ["0"]) for slot in layout.slots(rank)
         }
         self.tracer = Tracer(rank) if trace else None
-        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static_specs)
+        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static_specs,
+                                            reuse_receive_buffers=reuse_receive_buffers)
         self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer,
                                        overlap=overlap)
         self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe", "zero_bubble")}
@@ -206,8 +208,7 @@ class OurPipeline:
                 p.grad = None
         dist.barrier()
         start = time.perf_counter()
-        result = self.runtime.run(self.schedules[schedule], self._shard)
-        self.comm.wait_sends()
+        result = self.runtime.run(self.schedules[schedule], self._shard)  # ends with comm.finish_step()
         return time.perf_counter() - start, result
 
 
