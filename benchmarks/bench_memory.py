@@ -23,12 +23,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import OurPipeline, chain, machine, section, table, two_encoders  # noqa: E402
+from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode  # noqa: E402
 from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 LAYOUTS = {"chain P=4": lambda: chain(4), "2 enc -> llm": two_encoders}
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = (ScheduleName.ONE_F_ONE_B, ScheduleName.GPIPE)
 MB_SHAPE = (8, 1024)
 KIB = 1024
 
@@ -62,7 +63,7 @@ def main() -> None:
         for m in ms:
             totals = {}
             for schedule in SCHEDULES:
-                sim = simulate(build_schedule(layout, m, schedule), layout, 1.0, 2.0, mode="eager").peak_stashed
+                sim = simulate(build_schedule(layout, m, schedule), layout, 1.0, 2.0, mode=SimulatorMode.EAGER).peak_stashed
                 nbytes = [per_rank[r][(m, schedule)][0] for r in range(layout.world_size)]
                 counts = tuple(per_rank[r][(m, schedule)][1] for r in range(layout.world_size))
                 totals[schedule] = (sum(nbytes), max(nbytes))

@@ -89,11 +89,11 @@ def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str,
     times = interleaved(runs, rounds, steps)
     if trace_dir is not None:  # two traced steps with the large payload, overlapped
         rows = max(1, list(sizes.values())[-1] // (4 * 1024))
-        pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), trace=True, pass_through=True)
-        for step in range(2):
-            pipe.tracer.step = step
+        pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), trace_dir=trace_dir,
+                           pass_through=True)
+        for _ in range(2):
             pipe.step()
-        pipe.tracer.write(trace_dir)
+        pipe.close()  # writes the trace
     return times, raw
 
 

@@ -16,7 +16,7 @@ encoders side by side feeding a two-stage LM (enc_a pp=2, enc_b pp=1 -> llm pp=2
 * ideal: ``(m + D - 1)(tf + tb)``, the step time of a bubble-limited pipeline with free
   communication (D = P for a chain);
 * simulated: :func:`lightning_mmpp.core.simulator.simulate` of the same schedule with the same
-  costs, ``mode="eager"``;
+  costs, ``mode=SimulatorMode.EAGER``;
 * measured: the median over all timed steps of the slowest rank's step time (barrier, run the
   rank's action list, wait for its sends). One warmup step per schedule, then
   ``--rounds`` rounds of ``--steps`` steps, 1F1B and GPipe taking turns.
@@ -37,12 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
     OurPipeline, chain, interleaved, machine, median, section, table, two_encoders, vision_language,
 )
+from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode  # noqa: E402
 from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import simulate  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 LAYOUTS = {"chain P=4": lambda: chain(4), "chain P=8": lambda: chain(8), "2 enc -> llm": two_encoders}
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = (ScheduleName.ONE_F_ONE_B, ScheduleName.GPIPE)
 
 
 def worker(rank: int, world: int, name: str, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
@@ -52,7 +53,7 @@ def worker(rank: int, world: int, name: str, m: int, tf: float, tb: float, round
 
 
 ZB_LAYOUTS = {"chain P=4": lambda: chain(4), "2 enc -> llm": two_encoders, "vision+audio -> llm": vision_language}
-ZB_SCHEDULES = ("1f1b", "zero_bubble")
+ZB_SCHEDULES = (ScheduleName.ONE_F_ONE_B, ScheduleName.ZERO_BUBBLE)
 
 
 def worker_zero_bubble(rank: int, world: int, name: str, m: int, tf: float, ti: float, tw: float, rounds: int,
@@ -80,7 +81,7 @@ def zero_bubble(args: argparse.Namespace) -> None:
             return tw if stage == 0 and not layout.topology.upstream(module) else ti + tw
 
         sims = {
-            s: simulate(build_schedule(layout, m, s), layout, tf, fused, mode="eager", input_cost=ti, weight_cost=tw)
+            s: simulate(build_schedule(layout, m, s), layout, tf, fused, mode=SimulatorMode.EAGER, input_cost=ti, weight_cost=tw)
             for s in ZB_SCHEDULES
         }
         base, base_min = median(times["1f1b"]), min(times["1f1b"])
@@ -124,7 +125,7 @@ def main() -> None:
                                 timeout=300)[0]
         ideal = (m + layout.depth - 1) * (tf + tb)
         for schedule in SCHEDULES:
-            sim = simulate(build_schedule(layout, m, schedule), layout, tf, tb, mode="eager").step_time
+            sim = simulate(build_schedule(layout, m, schedule), layout, tf, tb, mode=SimulatorMode.EAGER).step_time
             measured = median(times[schedule])
             rows.append((name, layout.world_size, layout.depth, schedule, ideal * 1e3, sim * 1e3, measured * 1e3,
                          min(times[schedule]) * 1e3, max(times[schedule]) * 1e3, measured / ideal, measured / sim,

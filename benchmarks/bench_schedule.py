@@ -21,6 +21,7 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, SimulatorMode  # noqa: E402
 from lightning_mmpp.core.schedule import ZeroBubbleMemory, build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import SimulationResult, simulate  # noqa: E402
 
@@ -72,7 +73,8 @@ def random_layout(rng: random.Random) -> PipelineLayout:
     return PipelineLayout(placements, topology)
 
 
-def run(layout, m, name="1f1b", numbering="alap", mode="eager", tf=TF, tb=TB) -> SimulationResult:
+def run(layout, m, name=ScheduleName.ONE_F_ONE_B, numbering=DEFAULT_NUMBERING, mode=SimulatorMode.EAGER, tf=TF,
+        tb=TB) -> SimulationResult:
     return simulate(build_schedule(layout, m, name, numbering=numbering), layout, tf, tb, mode=mode)
 
 
@@ -88,9 +90,9 @@ def bench_chain() -> None:
     exact = True
     for m in (4, 8, 16):
         ideal = (m + pp - 1) * (TF + TB)
-        for name in ("1f1b", "gpipe"):
+        for name in (ScheduleName.ONE_F_ONE_B, ScheduleName.GPIPE):
             eager = run(chain(pp), m, name)
-            rdv = run(chain(pp), m, name, mode="rendezvous")
+            rdv = run(chain(pp), m, name, mode=SimulatorMode.RENDEZVOUS)
             exact &= eager.step_time == ideal == rdv.step_time
             rows.append((
                 m, name, ideal, eager.step_time, eager.step_time / ideal, rdv.step_time / ideal,
@@ -121,9 +123,9 @@ def bench_numbering() -> None:
         layout = make()
         for cost_name, (tf, tb) in costs.items():
             res = {}
-            for numbering in ("asap", "alap"):
+            for numbering in (Numbering.ASAP, Numbering.ALAP):
                 eager = run(layout, m, numbering=numbering, tf=tf, tb=tb)
-                rdv = run(layout, m, numbering=numbering, tf=tf, tb=tb, mode="rendezvous")
+                rdv = run(layout, m, numbering=numbering, tf=tf, tb=tb, mode=SimulatorMode.RENDEZVOUS)
                 res[numbering] = (eager, rdv)
                 rows.append((
                     label, cost_name, numbering, eager.step_time, rdv.step_time,
@@ -154,8 +156,8 @@ def bench_numbering() -> None:
     for _ in range(n):
         layout = random_layout(rng)
         m = rng.randint(1, m_max)
-        asap = run(layout, m, numbering="asap")
-        alap = run(layout, m, numbering="alap")
+        asap = run(layout, m, numbering=Numbering.ASAP)
+        alap = run(layout, m, numbering=Numbering.ALAP)
         time_ratios.append(alap.step_time / asap.step_time)
         stash_ratios.append(sum(alap.peak_stashed) / sum(asap.peak_stashed))
     print()
@@ -208,10 +210,10 @@ ZB_RULES = {
 
 def zero_bubble_rows(layout: PipelineLayout, m: int) -> dict[str, SimulationResult]:
     """1F1B and every zero-bubble memory rule on ``layout``, costs F = I = W = 1 (fused B = 2)."""
-    out = {"1f1b": simulate(build_schedule(layout, m, "1f1b"), layout, 1.0, 2.0, mode="eager")}
+    out = {"1f1b": simulate(build_schedule(layout, m, "1f1b"), layout, 1.0, 2.0, mode=SimulatorMode.EAGER)}
     for label, memory in ZB_RULES.items():
         schedule = build_schedule(layout, m, "zero_bubble", memory=memory)
-        out[label] = simulate(schedule, layout, 1.0, 2.0, mode="eager", weight_stash=memory.weight_fraction)
+        out[label] = simulate(schedule, layout, 1.0, 2.0, mode=SimulatorMode.EAGER, weight_stash=memory.weight_fraction)
     return out
 
 
@@ -274,7 +276,7 @@ def bench_zero_bubble() -> None:
 def one_f_one_b_bound(layout: PipelineLayout, m: int) -> int:
     """1F1B's bound on the microbatches its fullest rank holds: sum of min(m, depth - index)."""
     return max(
-        sum(min(m, layout.depth - layout.stage_index(s.module, s.stage, "alap")) for s in layout.slots(rank))
+        sum(min(m, layout.depth - layout.stage_index(s.module, s.stage)) for s in layout.slots(rank))
         for rank in range(layout.world_size)
     )
 

@@ -21,12 +21,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_mmpp.engine.comm import MultiModuleCommunicator  # noqa: E402
-from lightning_mmpp.model.partition import StageRunner  # noqa: E402
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
-from lightning_mmpp.engine.runtime import PipelineRuntime, StepResult  # noqa: E402
-from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
-from lightning_mmpp.engine.trace import Tracer  # noqa: E402
+from lightning_mmpp.engine.engine import PipelineEngine  # noqa: E402
+from lightning_mmpp.engine.runtime import StepResult  # noqa: E402
 
 P = ModulePlacement
 
@@ -164,19 +161,38 @@ def two_encoders() -> PipelineLayout:
     )
 
 
+class SleepModel(nn.Module):
+    """One ``nn.Sequential`` of sleep stages per module of ``layout`` (one stage per pp stage),
+    with :class:`SleepHooks`' pipeline hooks: a model :class:`~lightning_mmpp.PipelineEngine` can run."""
+
+    def __init__(self, layout: PipelineLayout, stage: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        for module, placement in layout.placements.items():
+            self.add_module(module, nn.Sequential(*(stage() for _ in range(placement.pp))))
+        self.hooks = SleepHooks()
+
+    def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
+        return self.hooks.pipeline_inputs(module, batch, upstream)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return self.hooks.pipeline_loss(output, batch)
+
+
 class OurPipeline:
-    """This rank's part of a sleep-stage pipeline run by lightning_mmpp's layout, communicator,
-    schedule and runtime directly (no Lightning Trainer)."""
+    """This rank's part of a sleep-stage pipeline run by :class:`~lightning_mmpp.PipelineEngine`
+    (no Lightning Trainer). :meth:`step` times the pipeline part of an engine step
+    (:meth:`~lightning_mmpp.PipelineEngine.run_pipeline`): what the schedule costs, without the
+    dp sync and metric reduction that a whole ``engine.step`` adds."""
 
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
-                 mb_shape: Sequence[int] = (8, 1024), trace: bool = False, seed: int = 0,
+                 mb_shape: Sequence[int] = (8, 1024), trace_dir: Optional[str] = None, seed: int = 0,
                  tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False,
                  static_specs: bool = False, reuse_receive_buffers: bool = True) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
         (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
         ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`);
         ``static_specs``, ``reuse_receive_buffers``: the communicator's (headers checked once per
-        step; receive buffers pooled)."""
+        step; receive buffers pooled); ``trace_dir``: the engine writes its trace there at :meth:`close`."""
         self.layout, self.rank, self.m = layout, rank, m
 
         def stage() -> nn.Module:
@@ -184,32 +200,27 @@ class OurPipeline:
                 return PassThroughStage(tf, tb)
             return SleepStage(tf, tb) if tw is None else SplitSleepStage(tf, tb, tw)
 
-        self.runners = {
-            slot.module: StageRunner(slot.module, slot.stage, [stage()], ["0"]) for slot in layout.slots(rank)
-        }
-        self.tracer = Tracer(rank) if trace else None
-        self.comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static_specs,
-                                            reuse_receive_buffers=reuse_receive_buffers)
-        self.runtime = PipelineRuntime(layout, rank, self.comm, self.runners, SleepHooks(), tracer=self.tracer,
-                                       overlap=overlap)
-        self.schedules = {name: build_schedule(layout, m, name) for name in ("1f1b", "gpipe", "zero_bubble")}
+        self.engine = PipelineEngine(SleepModel(layout, stage), layout, m, device=torch.device("cpu"),
+                                     static_shapes=static_specs, trace_dir=trace_dir, overlap=overlap)
+        self.engine.comm.reuse_receive_buffers = reuse_receive_buffers
         g = torch.Generator().manual_seed(seed)
-        self.data = [torch.randn(*mb_shape, generator=g) for _ in range(m)]
+        self.batch = torch.cat([torch.randn(*mb_shape, generator=g) for _ in range(m)])  # m microbatches
 
-    def _shard(self, module: str, k: int) -> torch.Tensor:
-        """The slice of microbatch ``k`` this rank's replica of ``module`` processes."""
-        slot = self.layout.slot(self.rank, module)
-        return self.data[k][self.layout.batch_shard(module, slot.replica, self.data[k].shape[0])]
+    @property
+    def tracer(self) -> Any:
+        return self.engine.tracer
 
     def step(self, schedule: str = "1f1b") -> tuple[float, StepResult]:
         """One training step after a barrier; returns (this rank's seconds, its StepResult)."""
-        for runner in self.runners.values():
-            for p in runner.parameters():
-                p.grad = None
+        for p in self.engine.parameters():
+            p.grad = None
         dist.barrier()
         start = time.perf_counter()
-        result = self.runtime.run(self.schedules[schedule], self._shard)  # ends with comm.finish_step()
+        result = self.engine.run_pipeline(self.batch, schedule=schedule)
         return time.perf_counter() - start, result
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def gather_max(values: list[float]) -> list[float]:

@@ -4,14 +4,16 @@
 trains a LightningModule whose modules (vision / audio encoders, a language model, ...) each
 get their own ranks, pipeline depth and data-parallel size.
 
-The strategy (and with it Lightning, several seconds to import) and everything that needs
-torch load on first use, so the lower layers (topology, placement, actions, schedule,
+``PipelineEngine`` runs the same pipeline without Lightning (a plain PyTorch loop under
+``torchrun``). The strategy (and with it Lightning, several seconds to import) and everything
+that needs torch load on first use, so the lower layers (topology, placement, actions, schedule,
 simulator) import without torch.
 """
 
 from typing import Any
 
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
+from lightning_mmpp.core.kinds import StepKind
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout, StageSlot
 from lightning_mmpp.core.topology import ModuleTopology
 
@@ -21,8 +23,10 @@ __all__ = [
     "MultiModulePipelineStrategy",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineEngine",
     "PipelineLayout",
     "PretrainedWeights",
+    "StepKind",
     "StageSlot",
     "export_checkpoint",
     "load_pretrained",
@@ -36,6 +40,10 @@ def __getattr__(name: str) -> Any:
         from lightning_mmpp.lightning.strategy import MultiModulePipelineStrategy
 
         return MultiModulePipelineStrategy
+    if name == "PipelineEngine":
+        from lightning_mmpp.engine.engine import PipelineEngine
+
+        return PipelineEngine
     if name == "run_unpipelined":
         from lightning_mmpp.model.reference import run_unpipelined
 

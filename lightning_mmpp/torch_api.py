@@ -2,12 +2,16 @@
 
 torch 2.13 has no public pytree module, and payloads (any dict / list / tuple of tensors that
 crosses a stage or module boundary) are pytrees, so the package takes the few pytree functions
-it needs from ``torch.utils._pytree`` through this module. ``tests/test_torch_api.py`` pins the
+it needs from ``torch.utils._pytree`` through this module; and the failure board
+(:mod:`lightning_mmpp.engine.failures`) reads the default process group's store, which torch
+exposes only as a private function. ``tests/test_torch_api.py`` pins the
 behaviour relied on (flatten order of dicts, lists and tuples; round trips; key paths), so a torch
 release that changes it fails there first. The supported range is pyproject.toml's ``torch`` pin.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 from torch.utils._pytree import (
     LeafSpec,
@@ -24,6 +28,7 @@ from torch.utils._pytree import (
 __all__ = [
     "LeafSpec",
     "TreeSpec",
+    "default_store",
     "keystr",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -32,3 +37,16 @@ __all__ = [
     "tree_unflatten",
     "treespec_leaf",
 ]
+
+
+def default_store() -> Optional[Any]:
+    """The default process group's key-value store, or ``None`` (no process group, or a backend
+    without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a backend without a store
+        return None

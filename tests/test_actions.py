@@ -3,8 +3,6 @@ the pure-Python layers importing no torch (single process, fast)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings

@@ -428,6 +428,22 @@ def test_metadata_unpickler_allows_only_the_index_classes(tmp_path):
         files.read_dcp_metadata(tmp_path)
 
 
+def test_metadata_unpickler_resolves_no_torch_function(tmp_path):
+    """Of ``torch.<name>`` only dtypes and layouts resolve: a crafted index cannot reach torch.save,
+    torch.load, torch.ops and the like."""
+    marker = tmp_path / "written"
+    calls_torch_save = b"ctorch\nsave\n(S'x'\nS'" + str(marker).encode() + b"'\ntR."  # torch.save("x", marker)
+    for name, crafted in (("save", calls_torch_save), ("load", b"ctorch\nload\n."), ("ops", b"ctorch\nops\n.")):
+        (tmp_path / ".metadata").write_bytes(crafted)
+        with pytest.raises(PipelineConfigError, match=f"torch.{name} is not part of a checkpoint index"):
+            files.read_dcp_metadata(tmp_path)
+        assert not marker.exists(), f"unpickling torch.{name} ran code"
+    # what the index does hold still resolves: a dtype and a layout inside a dict (not a Metadata)
+    (tmp_path / ".metadata").write_bytes(b"(dp0\nS'd'\nctorch\nbfloat16\nsS'l'\nctorch\nstrided\ns.")
+    with pytest.raises(PipelineConfigError, match="holds a dict, not a torch.distributed.checkpoint Metadata"):
+        files.read_dcp_metadata(tmp_path)
+
+
 # --- optimizer state by name ---------------------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ import torch
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import MultiModulePipelineStrategy, PipelineError
-from lightning_mmpp.engine.failures import FailureReport, describe_rank
+from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.engine.failures import FailureKind, FailureReport, describe_rank
+from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout
 from tests.dist import RankFailure, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
@@ -128,7 +130,11 @@ def test_reports_describe_rank_and_round_trip():
                             {"vision": ["proj"], "proj": ["llm"], "llm": []})
     assert describe_rank(layout, 1) == "vision stage 0 replica 1/2"
     assert describe_rank(layout, 2) == "proj stage 0, llm stage 0"
-    report = FailureReport(2, "llm stage 1", "raised", "ValueError", "bad", 2, 0, "validate")
-    assert FailureReport.from_json(report.to_json()) == report
-    assert report.describe() == "rank 2 (llm stage 1) raised ValueError: bad at step 2, microbatch 0 (validate)"
+    report = FailureReport(2, "llm stage 1", FailureKind.RAISED, "ValueError", "bad", 2, 0, StepKind.VALIDATE)
+    back = FailureReport.from_json(report.to_json())
+    assert back == report and back.kind is FailureKind.RAISED
+    assert report.describe() == "rank 2 (llm stage 1) raised ValueError: bad at step 2, microbatch 0 (val)"
+    assert FailureReport(2, "llm stage 1", "died", message="gone").kind is FailureKind.DIED  # spellings parse
+    with pytest.raises(PipelineConfigError, match=r"unknown failure kind 'crashed'; choose one of \['raised', 'died'"):
+        FailureReport(2, "llm stage 1", "crashed")
     assert isinstance(PipelineError("x"), RuntimeError)

@@ -27,10 +27,23 @@ def test_import_contracts_are_kept():
     assert "0 broken" in done.stdout, done.stdout
 
 
+def _torch_aliases(tree: ast.AST) -> set[str]:
+    """Names bound to torch or one of its modules (``import torch.distributed as dist``, ...)."""
+    names = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name for a in node.names if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
 def _private_uses(path: Path) -> list[str]:
-    """Imports of a private torch/Lightning module or name, and ``torch._x`` attribute chains."""
+    """Imports of a private torch/Lightning module or name, and private attributes reached from
+    torch or an alias of one of its modules (``torch._C``, ``dist.distributed_c10d._x``)."""
     found = []
     tree = ast.parse(path.read_text(), str(path))
+    torch_names = _torch_aliases(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "lightning"):
             parts = node.module.split(".")
@@ -46,8 +59,8 @@ def _private_uses(path: Path) -> list[str]:
             chain = node
             while isinstance(chain, ast.Attribute):
                 chain = chain.value
-            if isinstance(chain, ast.Name) and chain.id == "torch":
-                found.append(f"{path.name}:{node.lineno} torch...{node.attr}")
+            if isinstance(chain, ast.Name) and chain.id in torch_names:
+                found.append(f"{path.name}:{node.lineno} {chain.id}...{node.attr}")
     return found
 
 
@@ -73,5 +86,8 @@ def test_lightning_internal_attributes_only_in_the_adapter():
 
 def test_the_checker_sees_private_uses(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("import torch\nfrom torch.utils import _pytree\nfrom lightning.x import _y\nn = torch._C._foo\n")
-    assert len(_private_uses(sample)) == 4  # the import, the name, torch._C and ._foo
+    sample.write_text("import torch\nimport torch.distributed as dist\nfrom torch.utils import _pytree\n"
+                      "from lightning.x import _y\nn = torch._C._foo\ns = dist.distributed_c10d._get_default_store()\n"
+                      "ok = dist.get_rank() + self._private\n")
+    # the import, the name, torch._C and ._foo, dist...._get_default_store; not self._private
+    assert len(_private_uses(sample)) == 5, _private_uses(sample)

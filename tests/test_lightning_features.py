@@ -39,6 +39,7 @@ LAYOUTS = {
 }
 M = 4
 BS = 8
+SEED = 7  # seed_everything's seed for the shuffled runs
 QUIET = dict(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
@@ -101,23 +102,33 @@ def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
         return MultiModulePipelineStrategy(placements, TOPOLOGY, num_microbatches=M)
 
     out = _scenario(factory, world, log_dir)
-    # bf16 autocast on CPU: the pipelined training step runs every stage under autocast
+    # bf16 autocast on CPU: the pipelined training, evaluation and predict steps run every stage
+    # under autocast (one batch each)
     model = DtypeRecordingModel(TOPOLOGY)
     run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), precision="bf16-mixed", max_steps=2,
-                    logger=False, limit_val_batches=0, **QUIET)
+                    logger=False, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1, **QUIET)
     run.fit(model, make_loader(TOPOLOGY, BS, BS * 2))
     out["bf16_loss"] = float(run.callback_metrics["train_loss"])
-    out["bf16_dtypes"] = sorted(getattr(model, "seen_dtypes", set()))
-    # seed_everything makes two shuffled runs identical
-    seeded = []
+    out["bf16_dtypes"] = {"fit": sorted(getattr(model, "seen_dtypes", set()))}
+    for stage in ("validate", "test"):
+        model.seen_dtypes = set()
+        getattr(run, stage)(model, _val_loader(), verbose=False)
+        out["bf16_dtypes"][stage] = sorted(model.seen_dtypes)
+    model.seen_dtypes = set()
+    out["bf16_predict_dtypes"] = sorted({str(p.dtype) for p in run.predict(model, _val_loader())})
+    out["bf16_dtypes"]["predict"] = sorted(model.seen_dtypes)
+    # seed_everything makes two shuffled runs identical, in the order of the seed's sampler
+    seeded, seeded_batches = [], []
     for _ in range(2):
-        L.seed_everything(7, verbose=False)
+        L.seed_everything(SEED, verbose=False)
         model = MultiModalModel(TOPOLOGY)
+        recorder = BatchRecorder()
         run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=3, logger=False,
-                        limit_val_batches=0, **QUIET)
-        run.fit(model, DataLoader(SyntheticDataset(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
+                        limit_val_batches=0, callbacks=[recorder], **QUIET)
+        run.fit(model, DataLoader(NamedSamples(BS * 3, ["enc_a"]), batch_size=BS, shuffle=True))
         seeded.append(_params(model))
-    out["seeded"] = seeded
+        seeded_batches.append(recorder.seen)
+    out["seeded"], out["seeded_batches"] = seeded, seeded_batches
     # per-sample strings are split with their samples, over microbatches and dp shards
     model = AlignmentCheckingModel(TOPOLOGY)
     run = L.Trainer(accelerator="cpu", devices=world, strategy=factory(), max_steps=2, logger=False,
@@ -137,6 +148,12 @@ def _pipelined_extras(rank: int, world: int, placements, log_dir: str) -> dict:
     return out
 
 
+def _sampler_batches(seed: int) -> list[list[int]]:
+    """The batches of ``NamedSamples(BS * 3)`` in the order of a sampler shuffled with ``seed``."""
+    order = list(DistributedSampler(NamedSamples(BS * 3, ["enc_a"]), 1, 0, shuffle=True, seed=seed))
+    return [order[i:i + BS] for i in range(0, BS * 3, BS)]
+
+
 def _assert_same_everywhere(per_rank, key):
     values = [r[key] for r in per_rank]
     assert all(v == values[0] for v in values), f"{key} differs across ranks: {values}"
@@ -147,6 +164,7 @@ def _assert_same_everywhere(per_rank, key):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lightning_features(layout, tmp_path):
     placements = LAYOUTS[layout]
+    assert _sampler_batches(SEED) != _sampler_batches(0)
     world = MultiModulePipelineStrategy(placements, TOPOLOGY, M).layout.world_size
     reference = _scenario(lambda: None, 1, str(tmp_path / "ref"))
     per_rank = run_distributed(_pipelined_extras, world, placements, str(tmp_path / "pp"), timeout=200, init_pg=False)
@@ -174,15 +192,18 @@ def test_lightning_features(layout, tmp_path):
         for ours, ref in zip(result["predict"], reference["predict"]):
             close(ours, ref, "predict")
         assert math.isfinite(result["bf16_loss"])
-        # activations computed under autocast are bf16: the encoder's output as the llm receives
-        # it (across ranks), and the llm's output at the loss
+        # activations computed under autocast are bf16 in every step kind: the encoder's output as
+        # the llm receives it (across ranks), and the llm's output at the loss (predict: none)
         llm = layout.slot(rank, "llm")
-        if llm is not None and llm.stage == 0:
-            assert ("llm", "upstream:enc_a", "torch.bfloat16") in result["bf16_dtypes"], result["bf16_dtypes"]
-        if llm is not None and layout.is_loss_stage(llm):
-            assert ("llm", "output", "torch.bfloat16") in result["bf16_dtypes"], result["bf16_dtypes"]
-        expected_order = list(DistributedSampler(NamedSamples(BS * 3, ["enc_a"]), 1, 0, shuffle=True, seed=0))
-        assert result["shuffled_batches"] == [expected_order[i:i + BS] for i in range(0, BS * 3, BS)], rank
+        for stage, seen in result["bf16_dtypes"].items():
+            if llm is not None and llm.stage == 0:
+                assert ("llm", "upstream:enc_a", "torch.bfloat16") in seen, (stage, seen)
+            if llm is not None and layout.is_loss_stage(llm) and stage != "predict":
+                assert ("llm", "output", "torch.bfloat16") in seen, (stage, seen)
+        assert result["bf16_predict_dtypes"] == ["torch.bfloat16"], result["bf16_predict_dtypes"]
+        assert result["shuffled_batches"] == _sampler_batches(seed=0), rank
+        # the strategy's sampler follows seed_everything: another seed, another order
+        assert result["seeded_batches"] == [_sampler_batches(SEED)] * 2, rank
         # every hook call this rank made saw names matching its samples (2 steps x M microbatches)
         assert result["alignment_checks"] >= 2 * M, result["alignment_checks"]
         first, second = result["seeded"]
@@ -256,7 +277,12 @@ def _predict_two_sinks(rank: int, world: int) -> list:
         {"enc_a": P(), "llm": P(dp=2), "aux": P()}, num_microbatches=2
     )
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, **QUIET)
-    return trainer.predict(_PredictOnly(TWO_SINKS), _val_loader())  # 8, 8 and a short batch of 4
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        predictions = trainer.predict(_PredictOnly(TWO_SINKS), _val_loader())  # 8, 8 and a short batch of 4
+    return predictions, [str(w.message) for w in caught]
 
 
 @pytest.mark.distributed
@@ -269,7 +295,9 @@ def test_predict_gathers_every_sink_over_replicas_with_tensor_collectives():
             _, outputs = run_unpipelined(model, batch)
             expected.append({"llm": outputs["llm"], "aux": outputs["aux"]})
     per_rank = run_distributed(_predict_two_sinks, 4, timeout=100, init_pg=False)
-    for rank, predictions in enumerate(per_rank):
+    for rank, (predictions, warned) in enumerate(per_rank):
+        # the model defines neither predict_step nor forward: nothing of its own goes uncalled
+        assert not [w for w in warned if "is not called" in w], warned
         assert len(predictions) == len(expected) == 3
         for ours, ref in zip(predictions, expected):
             assert set(ours) == {"llm", "aux"}, rank

@@ -101,12 +101,12 @@ def _fit_meta(rank, world, placements, pretrained=None, freeze=()):
     strategy = MultiModulePipelineStrategy(placements, TWO_ENC, num_microbatches=4, pretrained=pretrained)
     trainer = L.Trainer(**_trainer_kwargs(world), strategy=strategy, callbacks=[RecordInitial()])
     trainer.fit(model, make_loader(TWO_ENC, 8, 8 * STEPS))
-    own = {name for runner in strategy._partition.runners.values() for name in
+    own = {name for runner in strategy.engine.partition.runners.values() for name in
            (f"{runner.module}.{n}" for n in runner.layer_names)}
     not_meta = [f"{name}: {n}" for name, layer in model.all_layers.items() if name not in own
                 for n, p in layer.named_parameters() if not p.is_meta]
     return {"initial": model.initial, "final": _state(model), "not_meta": not_meta,
-            "read": strategy._pretrained_keys_read}
+            "read": strategy.engine.pretrained_keys_read}
 
 
 def _check_runs(per_rank, initial, final, exact_final=False):

@@ -269,7 +269,7 @@ def test_slots_and_slot():
     assert layout.max_dp == 2
     assert layout.depth == 3
     assert [layout.stage_index("llm", s) for s in range(2)] == [1, 2]
-    assert layout.stage_index("audio", 0, "alap") == 0
+    assert layout.stage_index("audio", 0, "alap") == layout.stage_index("audio", 0) == 0
 
 
 def test_fan_in_2_to_1():
@@ -492,6 +492,25 @@ def test_table():
     assert repr(layout) == "PipelineLayout(world_size=4, modules=['vision', 'llm'])"
 
 
+def test_table_prints_the_runtime_numbering():
+    """The table's global stage is the runtime's (ALAP) unless asked for another numbering: the
+    short encoder ``b`` sits right before the LM (1), not at 0 as under ASAP."""
+    layout = PipelineLayout({"a": P(pp=2), "b": P(), "llm": P(pp=2)}, {"a": ["llm"], "b": ["llm"], "llm": []})
+
+    def global_stages(table: str) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for line in table.splitlines()[1:]:
+            _, module, _, _, index = line.split()
+            out.setdefault(module, []).append(int(index))
+        return out
+
+    assert global_stages(layout.table()) == {"a": [0, 1], "b": [1], "llm": [2, 3]}
+    assert global_stages(layout.table("alap")) == global_stages(str(layout))
+    assert global_stages(layout.table("asap")) == {"a": [0, 1], "b": [0], "llm": [2, 3]}
+    with pytest.raises(PipelineConfigError, match="unknown stage numbering 'late'"):
+        layout.table("late")
+
+
 def test_table_one_row_per_rank_and_module():
     layout = PipelineLayout(
         {"vision_encoder": P(dp=2, rank_offset=0), "audio": P(dp=2, rank_offset=0), "llm": P(pp=2)},
@@ -639,7 +658,7 @@ def test_random_layouts(data):
     n = layout.numbering
     for m, p in placements.items():
         for s in range(p.pp):
-            asap, alap = layout.stage_index(m, s), layout.stage_index(m, s, "alap")
+            asap, alap = layout.stage_index(m, s, "asap"), layout.stage_index(m, s)
             assert 0 <= asap <= alap < layout.depth
 
     groups = layout.dp_groups()

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_mmpp.core.kinds import Numbering, ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
-from lightning_mmpp.core.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule, message_groups
+from lightning_mmpp.core.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule, check_schedule_args, message_groups
 from lightning_mmpp.core.simulator import DeadlockError, simulate, validate_schedule
 
 P = ModulePlacement
@@ -300,6 +301,22 @@ def test_bad_arguments(args, match):
         build_schedule(chain(2), m, name, numbering=numbering)
 
 
+def test_schedule_names_are_enums_spelled_as_strings():
+    """``"1f1b"`` and ``ScheduleName.ONE_F_ONE_B`` are one argument; parsing names the choices."""
+    layout = two_encoders()
+    for name in ScheduleName:
+        assert build_schedule(layout, 4, name.value) == build_schedule(layout, 4, name)
+        assert build_schedule(layout, 4, name).name is name
+    assert check_schedule_args("zero_bubble", 2, "asap") == (ScheduleName.ZERO_BUBBLE, Numbering.ASAP)
+    assert check_schedule_args("gpipe", 2) == (ScheduleName.GPIPE, Numbering.ALAP)  # the one default numbering
+    assert build_schedule(layout, 5) == build_schedule(layout, 5, "1f1b", numbering="alap")
+    assert build_schedule(layout, 5) != build_schedule(layout, 5, numbering="asap")  # they differ on this layout
+    assert f"{ScheduleName.ONE_F_ONE_B}" == str(ScheduleName.ONE_F_ONE_B) == "1f1b"
+    assert repr(ScheduleName.ZERO_BUBBLE) == "'zero_bubble'"  # messages and generated code quote the spelling
+    with pytest.raises(PipelineConfigError, match=r"choose one of \['1f1b', 'gpipe', 'zero_bubble'\]"):
+        check_schedule_args("1F1B", 2)
+
+
 # --- the simulator rejects broken lists ------------------------------------------------------
 
 
@@ -370,8 +387,10 @@ def test_simulator_rejects_a_transfer_posted_twice():
 
 def test_simulator_unknown_mode():
     layout = chain(1)
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(PipelineConfigError, match=r"unknown simulator mode 'async'; choose one of \['rendezvous', 'eager'\]"):
         simulate(build_schedule(layout, 1), layout, mode="async")
+    strict = simulate(build_schedule(layout, 1), layout, mode=SimulatorMode.RENDEZVOUS)
+    assert strict == simulate(build_schedule(layout, 1), layout, mode="rendezvous")
 
 
 # --- multi-module layouts --------------------------------------------------------------------

@@ -6,6 +6,7 @@ The equivalence of sharded/recomputed training with one process is in test_equiv
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import lightning as L
@@ -133,16 +134,30 @@ class _Whole(L.Callback):
         self.loss = float(trainer.callback_metrics["train_loss"])
 
 
+class _ParamDtypesInForward(L.Callback):
+    """The dtypes of the parameters each module computes with, per top-level module, seen when its
+    forward starts (after FSDP2's all-gather): ``{module: [dtype, ...]}``."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen: dict[str, set[str]] = {}
+        for name, layer in pl_module.named_modules():
+            if next(layer.parameters(recurse=False), None) is not None:
+                layer.register_forward_pre_hook(functools.partial(self._record, name.split(".")[0]))
+
+    def _record(self, module: str, layer: nn.Module, args) -> None:
+        self.seen.setdefault(module, set()).update(str(p.dtype) for p in layer.parameters(recurse=False))
+
+
 def _model() -> MultiModalModel:
     return MultiModalModel(TOPOLOGY, optimizer="adam", scheduler="step")
 
 
-def _fit(layout, epochs: int, ckpt_path=None, saver=None, precision="32-true") -> _Whole:
+def _fit(layout, epochs: int, ckpt_path=None, saver=None, precision="32-true", probe=None) -> _Whole:
     strategy = MultiModulePipelineStrategy(layout, TOPOLOGY, num_microbatches=2)
     whole = _Whole()
     trainer = L.Trainer(
         accelerator="cpu", devices=strategy.layout.world_size, strategy=strategy, max_epochs=epochs, logger=False,
-        callbacks=[whole] + ([saver] if saver else []), enable_checkpointing=saver is not None,
+        callbacks=[whole] + [c for c in (saver, probe) if c], enable_checkpointing=saver is not None,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, precision=precision,
     )
     trainer.fit(_model(), make_loader(TOPOLOGY, BATCH, BATCH * EPOCH), ckpt_path=ckpt_path)
@@ -164,8 +179,10 @@ def _sharded_checkpoints(rank, world, root: str) -> dict:
     out["unsharded_straight"] = _fit(UNSHARDED, 2).end
     recomputed = {"enc_a": P(dp=2, shard=True, recompute=True), "llm": P(pp=2, recompute=True)}
     for precision in ("bf16-mixed", "bf16-true"):
-        run = _fit(recomputed, 1, precision=precision)
+        probe = _ParamDtypesInForward()
+        run = _fit(recomputed, 1, precision=precision, probe=probe)
         out[precision] = (run.loss, {p.dtype for p in run.end.values()}, run.sharded)
+        out[f"{precision} forward"] = {m: sorted(dtypes) for m, dtypes in probe.seen.items()}
     return out
 
 
@@ -197,6 +214,11 @@ def test_sharded_checkpoints_resume_exactly_across_sharding_and_export(tmp_path:
             loss, dtypes, sharded = out[precision]  # bf16-mixed: fp32 shards for the optimizer
             assert dtypes == {dtype} and torch.isfinite(torch.tensor(loss)), (precision, loss, dtypes)
             assert sharded == (["enc_a"] if rank < 2 else []), (precision, sharded)
+        # bf16-mixed: FSDP2's policy all-gathers a sharded layer's parameters in bf16 for its forward;
+        # unsharded layers compute with their fp32 parameters (autocast casts per operation)
+        expected = {"enc_a": ["torch.bfloat16"]} if rank < 2 else {"llm": ["torch.float32"]}
+        assert out["bf16-mixed forward"] == expected, (rank, out["bf16-mixed forward"])
+        assert out["bf16-true forward"] == {m: ["torch.bfloat16"] for m in expected}, (rank, out["bf16-true forward"])
 
     straight = {**per_rank[0]["straight"], **per_rank[2]["straight"], **per_rank[3]["straight"]}
     for out in elsewhere:

@@ -32,6 +32,16 @@ def test_construction_errors_and_table():
     text = str(strategy)
     assert "rank  module  stage  replica  global-stage" in text
     assert "3     llm     1/2    0/1      2" in text
+    assert strategy.ranks_needed == strategy.layout.world_size == 4
+
+
+def test_world_size_and_table_before_the_model_gives_the_topology():
+    strategy = MultiModulePipelineStrategy({"enc_a": P(dp=2), "enc_b": P(), "llm": P(pp=2)}, num_microbatches=4)
+    assert strategy.ranks_needed == 5  # known from the placements alone
+    text = str(strategy)
+    assert "module  ranks  pp  dp" in text and "llm     3-4    2   1" in text, text
+    with pytest.raises(PipelineConfigError, match="ranks_needed"):
+        strategy.layout
 
 
 class _NoLoss(MultiModalModel):

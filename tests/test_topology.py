@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.topology import ModuleTopology, StageNumbering
 
@@ -194,9 +195,17 @@ def test_design_example_asap_and_alap():
     assert n.depth == 4
     assert n.asap == {("a", 0): 0, ("a", 1): 1, ("b", 0): 0, ("llm", 0): 2, ("llm", 1): 3}
     assert n.alap == {("a", 0): 0, ("a", 1): 1, ("b", 0): 1, ("llm", 0): 2, ("llm", 1): 3}
-    assert n.index("b", 0) == 0
-    assert n.index("b", 0, "asap") == 0
+    assert n.index("b", 0) == 1  # ALAP: the numbering the schedules and the runtime use
+    assert n.index("b", 0, "asap") == n.index("b", 0, Numbering.ASAP) == 0
     assert n.index("b", 0, "alap") == 1
+
+
+def test_alap_is_the_one_default_numbering():
+    assert DEFAULT_NUMBERING is Numbering.ALAP and DEFAULT_NUMBERING == "alap"
+    n = ModuleTopology({"a": ["llm"], "b": ["llm"], "llm": []}).stage_numbering({"a": 2, "b": 1, "llm": 2})
+    assert n.index("b", 0) == n.index("b", 0, DEFAULT_NUMBERING) == n.alap[("b", 0)]
+    with pytest.raises(PipelineConfigError, match=r"unknown stage numbering 'middle'; choose one of \['alap', 'asap'\]"):
+        n.index("b", 0, "middle")
 
 
 def test_single_module():

@@ -1,17 +1,21 @@
-"""Pins the behaviour of every name lightning_mmpp/torch_api.py re-exports from torch's private
-``torch.utils._pytree`` (payloads, batches and gradients are pytrees). A torch release that
-changes one of them fails here first, with the name of what changed."""
+"""Pins the behaviour of every name lightning_mmpp/torch_api.py takes from torch's private API:
+the pytree functions of ``torch.utils._pytree`` (payloads, batches and gradients are pytrees)
+and the default process group's store. A torch release that changes one of them fails here
+first, with the name of what changed."""
 
 from __future__ import annotations
 
+import socket
 from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_mmpp.torch_api import (
     LeafSpec,
     TreeSpec,
+    default_store,
     keystr,
     tree_flatten,
     tree_flatten_with_path,
@@ -132,3 +136,25 @@ def test_treespec_rebuilt_from_type_context_and_children():
     # the package's own round trip through bytes, as the wire protocol uses it
     _, payload_spec = flatten_payload(payload, "test")
     assert PayloadSpec.from_bytes(payload_spec.to_bytes()) == payload_spec
+
+
+def test_default_store():
+    """``None`` without a process group; inside one, the group's key-value store (``add``,
+    ``set``, ``get``). If this fails, the failure board cannot attach and a failing rank's
+    peers no longer name the root cause (only their own transport error)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    assert default_store() is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        store = default_store()
+        assert store is not None
+        assert store.add("pin/tickets", 1) == 1 and store.add("pin/tickets", 1) == 2
+        store.set("pin/key", "value")
+        assert store.get("pin/key") == b"value"
+    finally:
+        dist.destroy_process_group()
+    assert default_store() is None

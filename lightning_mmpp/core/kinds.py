@@ -1,13 +1,56 @@
-"""The kinds of pipeline step, one spelling everywhere (pure Python)."""
+"""The named choices of the pipeline, one spelling each (pure Python).
+
+Every concept that users or layers pass around by name is a ``str`` enum here: the step kind,
+the schedule, the stage numbering and the simulator's exchange model. Being ``str`` subclasses,
+their members *are* their spellings: ``schedule="1f1b"`` and ``schedule=ScheduleName.ONE_F_ONE_B``
+are the same argument, members compare equal to (and hash like) their values, and they print,
+format and ``repr`` as their values, so messages quote them as the user wrote them. Parse a
+user's value once, at the boundary, with :meth:`Choice.parse`: anything else raises
+:class:`~lightning_mmpp.errors.PipelineConfigError` naming the choices.
+"""
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import TypeVar
 
-__all__ = ["StepKind"]
+from lightning_mmpp.errors import PipelineConfigError
+
+__all__ = ["DEFAULT_NUMBERING", "Choice", "Numbering", "ScheduleName", "SimulatorMode", "StepKind"]
+
+_C = TypeVar("_C", bound="Choice")
 
 
-class StepKind(str, Enum):
+class Choice(str, Enum):
+    """Base of the named choices: a ``str`` enum that prints as its value and parses with a clear error."""
+
+    @classmethod
+    def label(cls) -> str:
+        """What the choice is called in messages (``"schedule"``, ``"step kind"``, ...)."""
+        return cls.__name__
+
+    @classmethod
+    def parse(cls: type[_C], value: object) -> _C:
+        """The member for ``value`` (a member or its spelling); anything else is a
+        :class:`~lightning_mmpp.errors.PipelineConfigError` naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise PipelineConfigError(
+                f"unknown {cls.label()} {value!r}; choose one of {[c.value for c in cls]}."
+            ) from None
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class StepKind(Choice):
     """What a pipeline step does: its schedule (training runs backwards), what it returns, and the
     key under which its metrics are reduced and logged (``train_loss``, ``val_loss``, ...)."""
 
@@ -16,14 +59,53 @@ class StepKind(str, Enum):
     TEST = "test"
     PREDICT = "predict"
 
+    @classmethod
+    def label(cls) -> str:
+        return "step kind"
+
     @property
     def forward_only(self) -> bool:
         return self is not StepKind.TRAIN
 
+
+class ScheduleName(Choice):
+    """The schedules :func:`~lightning_mmpp.core.schedule.build_schedule` builds (see
+    :mod:`lightning_mmpp.core.schedule` for what each does)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    ZERO_BUBBLE = "zero_bubble"
+
     @classmethod
-    def parse(cls, value: "StepKind | str") -> "StepKind":
-        """A ``StepKind`` from itself or its value; anything else is a ``ValueError`` naming the choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"step kind {value!r}: choose one of {[k.value for k in cls]}") from None
+    def label(cls) -> str:
+        return "schedule"
+
+
+class Numbering(Choice):
+    """How global stage indices are assigned on a DAG (see :mod:`lightning_mmpp.core.topology`):
+    as late as possible (the default everywhere) or as soon as possible (Megatron's)."""
+
+    ALAP = "alap"
+    ASAP = "asap"
+
+    @classmethod
+    def label(cls) -> str:
+        return "stage numbering"
+
+
+# THE stage numbering: what the schedules, the runtime, the planner and ``PipelineLayout.table``
+# use unless a caller picks another one.
+DEFAULT_NUMBERING = Numbering.ALAP
+
+
+class SimulatorMode(Choice):
+    """How :func:`~lightning_mmpp.core.simulator.simulate` completes an exchange: ``"rendezvous"``
+    (a send waits for its receive: the strict deadlock check) or ``"eager"`` (sends complete at
+    once: the timing model)."""
+
+    RENDEZVOUS = "rendezvous"
+    EAGER = "eager"
+
+    @classmethod
+    def label(cls) -> str:
+        return "simulator mode"

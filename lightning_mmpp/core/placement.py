@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.topology import ModuleTopology, StageNumbering
 
@@ -272,7 +273,8 @@ class PipelineLayout:
         no_backward = set(no_backward_modules)
         return any(src not in no_backward for src, _ in self.forward_sources(slot))
 
-    def stage_index(self, module: str, stage: int, numbering: str = "asap") -> int:
+    def stage_index(self, module: str, stage: int, numbering: Numbering | str = DEFAULT_NUMBERING) -> int:
+        """The global stage index of ``module``'s stage ``stage`` (ALAP, as the runtime uses, by default)."""
         return self.numbering.index(module, stage, numbering)
 
     def pp_prev(self, slot: StageSlot) -> Optional[int]:
@@ -301,22 +303,27 @@ class PipelineLayout:
 
     def bridge_targets(self, up: str, down: str, replica: int) -> tuple[BridgePeer, ...]:
         """Receivers of the last stage of ``up`` replica ``replica`` on edge ``up -> down``."""
-        du, dd = self.placements[up].dp, self.placements[down].dp
-        if du >= dd:
-            ratio = du // dd
-            return (BridgePeer(self.rank_of(down, 0, replica // ratio), replica % ratio, ratio),)
-        ratio = dd // du
-        return tuple(BridgePeer(self.rank_of(down, 0, replica * ratio + c), c, ratio) for c in range(ratio))
+        return self._bridge_peers(up, down, replica, downstream=True)
 
     def bridge_sources(self, up: str, down: str, replica: int) -> tuple[BridgePeer, ...]:
         """Senders into the first stage of ``down`` replica ``replica`` on edge ``up -> down``."""
-        du, dd = self.placements[up].dp, self.placements[down].dp
-        last = self.placements[up].pp - 1
-        if du >= dd:
-            ratio = du // dd
-            return tuple(BridgePeer(self.rank_of(up, last, replica * ratio + c), c, ratio) for c in range(ratio))
-        ratio = dd // du
-        return (BridgePeer(self.rank_of(up, last, replica // ratio), replica % ratio, ratio),)
+        return self._bridge_peers(down, up, replica, downstream=False)
+
+    def _bridge_peers(self, module: str, other: str, replica: int, downstream: bool) -> tuple[BridgePeer, ...]:
+        """The peers of ``module``'s ``replica`` in ``other`` across the edge between them: the
+        first stage of ``other`` when it is downstream, its last stage when it is upstream.
+
+        Seen from the end with more replicas, ``ratio`` of them share one peer, and this one is
+        chunk ``replica % ratio`` of it; seen from the end with fewer, the peers are ``ratio``
+        consecutive replicas, chunks ``0 .. ratio-1``.
+        """
+        stage = 0 if downstream else self.placements[other].pp - 1
+        mine, theirs = self.placements[module].dp, self.placements[other].dp
+        if mine >= theirs:
+            ratio = mine // theirs
+            return (BridgePeer(self.rank_of(other, stage, replica // ratio), replica % ratio, ratio),)
+        ratio = theirs // mine
+        return tuple(BridgePeer(self.rank_of(other, stage, replica * ratio + c), c, ratio) for c in range(ratio))
 
     def forward_targets(self, slot: StageSlot) -> tuple[tuple[str, BridgePeer], ...]:
         """Where the output of ``slot`` goes: ``(consumer module, peer)`` pairs.
@@ -324,14 +331,7 @@ class PipelineLayout:
         The next stage of the same module, or, on a last stage, the first stage of every
         downstream module (several peers on fan-out). Empty on the last stage of a sink.
         """
-        nxt = self.pp_next(slot)
-        if nxt is not None:
-            return ((slot.module, BridgePeer(nxt, 0, 1)),)
-        return tuple(
-            (down, peer)
-            for down in self.topology.downstream(slot.module)
-            for peer in self.bridge_targets(slot.module, down, slot.replica)
-        )
+        return self._neighbours(slot, downstream=True)
 
     def forward_sources(self, slot: StageSlot) -> tuple[tuple[str, BridgePeer], ...]:
         """Where the input of ``slot`` comes from: ``(producer module, peer)`` pairs.
@@ -339,13 +339,17 @@ class PipelineLayout:
         The previous stage of the same module, or, on a first stage, the last stage of every
         upstream module (several peers on fan-in). Empty on the first stage of a source.
         """
-        prev = self.pp_prev(slot)
-        if prev is not None:
-            return ((slot.module, BridgePeer(prev, 0, 1)),)
+        return self._neighbours(slot, downstream=False)
+
+    def _neighbours(self, slot: StageSlot, downstream: bool) -> tuple[tuple[str, BridgePeer], ...]:
+        """The adjacent stage of ``slot``'s own module, else the bridge peers in every module
+        next to it, on its downstream or its upstream side."""
+        adjacent = self.pp_next(slot) if downstream else self.pp_prev(slot)
+        if adjacent is not None:
+            return ((slot.module, BridgePeer(adjacent, 0, 1)),)
+        others = self.topology.downstream(slot.module) if downstream else self.topology.upstream(slot.module)
         return tuple(
-            (up, peer)
-            for up in self.topology.upstream(slot.module)
-            for peer in self.bridge_sources(up, slot.module, slot.replica)
+            (other, peer) for other in others for peer in self._bridge_peers(slot.module, other, slot.replica, downstream)
         )
 
     def batch_shard(self, module: str, replica: int, batch_size: int) -> slice:
@@ -361,8 +365,13 @@ class PipelineLayout:
 
     # --- display ---------------------------------------------------------------------------
 
-    def table(self) -> str:
-        """A human-readable placement table, one line per (rank, module)."""
+    def table(self, numbering: Numbering | str = DEFAULT_NUMBERING) -> str:
+        """A human-readable placement table, one line per (rank, module).
+
+        ``global-stage`` is the stage index under ``numbering``: by default ALAP, the one the
+        runtime's schedules use unless the strategy or engine was given ``stage_numbering="asap"``.
+        """
+        numbering = Numbering.parse(numbering)
         rows = [("rank", "module", "stage", "replica", "global-stage")]
         for rank in range(self.world_size):
             for slot in self._slots[rank]:
@@ -372,7 +381,7 @@ class PipelineLayout:
                     slot.module,
                     f"{slot.stage}/{p.pp}",
                     f"{slot.replica}/{p.dp}",
-                    str(self.stage_index(slot.module, slot.stage)),
+                    str(self.stage_index(slot.module, slot.stage, numbering)),
                 ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -60,7 +60,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,6 +74,7 @@ from lightning_mmpp.core.actions import (
     Schedule,
     Transfer,
 )
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout, StageSlot
 from lightning_mmpp.core.simulator import validate_schedule
@@ -89,8 +90,8 @@ __all__ = [
     "message_groups",
 ]
 
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
-NUMBERINGS = ("alap", "asap")
+SCHEDULES: tuple[ScheduleName, ...] = tuple(ScheduleName)  # members equal their spellings: "1f1b" in SCHEDULES
+NUMBERINGS: tuple[Numbering, ...] = tuple(Numbering)
 
 
 @dataclass(frozen=True)
@@ -158,22 +159,24 @@ class PhaseCosts:
         return self.input + self.weight if self.lone_weight is None else self.lone_weight
 
 
-def check_schedule_args(name: str, num_microbatches: int, numbering: str = "alap") -> None:
-    """Raise for an unknown schedule or numbering, or a microbatch count below 1."""
-    if name not in SCHEDULES:
-        raise PipelineConfigError(f"unknown schedule {name!r}; choose one of {list(SCHEDULES)}.")
+def check_schedule_args(
+    name: ScheduleName | str, num_microbatches: int, numbering: Numbering | str = DEFAULT_NUMBERING
+) -> tuple[ScheduleName, Numbering]:
+    """The schedule and the stage numbering parsed; raise
+    :class:`~lightning_mmpp.errors.PipelineConfigError` for an unknown schedule or numbering
+    (naming the choices), or a microbatch count below 1."""
+    schedule = ScheduleName.parse(name)
     if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
         raise PipelineConfigError(f"num_microbatches={num_microbatches!r}: it must be an integer >= 1.")
-    if numbering not in NUMBERINGS:
-        raise PipelineConfigError(f"unknown stage numbering {numbering!r}; choose one of {list(NUMBERINGS)}.")
+    return schedule, Numbering.parse(numbering)
 
 
 def build_schedule(
     layout: PipelineLayout,
     num_microbatches: int,
-    name: str = "1f1b",
+    name: ScheduleName | str = ScheduleName.ONE_F_ONE_B,
     forward_only: bool = False,
-    numbering: str = "alap",
+    numbering: Numbering | str = DEFAULT_NUMBERING,
     no_backward_modules: frozenset[str] = frozenset(),
     memory: Optional[ZeroBubbleMemory] = None,
     costs: Optional[PhaseCosts] = None,
@@ -184,11 +187,11 @@ def build_schedule(
     member): gradients never need to reach them. ``memory`` and ``costs`` apply to
     ``"zero_bubble"`` only.
     """
-    check_schedule_args(name, num_microbatches, numbering)
+    name, numbering = check_schedule_args(name, num_microbatches, numbering)
     no_backward = frozenset(no_backward_modules)
     if no_backward != layout.no_backward_modules(no_backward):
         raise ValueError(f"no_backward_modules {sorted(no_backward)} is not closed upstream")
-    if name == "zero_bubble" and not forward_only:
+    if name is ScheduleName.ZERO_BUBBLE and not forward_only:
         return _TimedBuilder(layout, num_microbatches, numbering, no_backward, memory or ZeroBubbleMemory(),
                              costs or PhaseCosts()).build()
     return _LockstepBuilder(layout, num_microbatches, name, forward_only, numbering, no_backward).build()
@@ -213,22 +216,36 @@ def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
 _Unit = tuple[int, str]  # (rank, module)
 
 
-class _Units:
-    """What both builders know about every (rank, module) unit of a layout."""
+class _Builder:
+    """What both builders know about every (rank, module) unit of a layout, and the forward
+    progress they track alike."""
 
-    def __init__(self, layout: PipelineLayout, no_backward: frozenset[str]) -> None:
-        self.slots: dict[_Unit, StageSlot] = {
+    def __init__(self, layout: PipelineLayout, m: int, no_backward: frozenset[str]) -> None:
+        self.layout = layout
+        self.m = m
+        self.no_backward = no_backward
+        self.units: dict[_Unit, StageSlot] = {
             (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.slots(rank)
         }
-        self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.slots.items()}
-        self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.slots.items()}
+        self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.units.items()}
+        self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.units.items()}
         # every consumer of a trained module is trained (no_backward is closed upstream),
         # so a trained module gets a gradient from each of its targets
         self.consumers = {
-            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.slots.items()
+            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.units.items()
         }
         # gradients this unit sends upstream: none when every producer runs no backward
-        self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.slots.items()}
+        self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.units.items()}
+        self.next_f = {u: 0 for u in self.units}
+
+    def _own_limit(self, slot: StageSlot, numbering: Numbering) -> int:
+        """1F1B's in-flight bound of a unit: ``depth - index`` of its stage."""
+        return self.layout.depth - self.layout.stage_index(slot.module, slot.stage, numbering)
+
+    def _consumers_behind(self, unit: _Unit) -> int:
+        """How far a no-backward unit's next forward is ahead of its slowest consumer's."""
+        k = self.next_f[unit]
+        return k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
 
 
 def _forward_transfers(layout: PipelineLayout, slot: StageSlot, rank: int, k: int) -> list[tuple[int, Transfer, int]]:
@@ -252,28 +269,30 @@ def _gradient_transfers(
     return out
 
 
-class _LockstepBuilder:
+def _exchanges(
+    sends: Mapping[int, Sequence[Transfer]], recvs: Mapping[int, Sequence[Transfer]]
+) -> list[tuple[int, Exchange]]:
+    """One :class:`Exchange` per rank taking part in a tick (or round), transfers in canonical order."""
+    return [
+        (rank, Exchange(tuple(sorted(sends.get(rank, ()))), tuple(sorted(recvs.get(rank, ())))))
+        for rank in sorted(set(sends) | set(recvs))
+    ]
+
+
+class _LockstepBuilder(_Builder):
     """1F1B and GPipe (and every forward-only schedule): one compute per unit per tick."""
 
     def __init__(
-        self, layout: PipelineLayout, m: int, name: str, forward_only: bool, numbering: str,
+        self, layout: PipelineLayout, m: int, name: ScheduleName, forward_only: bool, numbering: Numbering,
         no_backward: frozenset[str],
     ) -> None:
-        self.layout = layout
-        self.no_backward = no_backward
-        self.m = m
+        super().__init__(layout, m, no_backward)
         self.name = name
         self.forward_only = forward_only
-        info = _Units(layout, no_backward)
-        self.units = info.slots
-        self.needed_inputs, self.needed_grads, self.consumers = info.needed_inputs, info.needed_grads, info.consumers
-        self.limit: dict[_Unit, int] = {}
-        for unit, slot in self.units.items():
-            if forward_only or name == "gpipe":
-                self.limit[unit] = m
-            else:
-                self.limit[unit] = layout.depth - layout.stage_index(slot.module, slot.stage, numbering)
-        self.next_f = {u: 0 for u in self.units}
+        whole = forward_only or name is ScheduleName.GPIPE
+        self.limit: dict[_Unit, int] = {
+            unit: m if whole else self._own_limit(slot, numbering) for unit, slot in self.units.items()
+        }
         self.next_b = {u: 0 for u in self.units}
         self.inputs: dict[tuple[_Unit, int], int] = defaultdict(int)
         self.grads: dict[tuple[_Unit, int], int] = defaultdict(int)
@@ -286,7 +305,7 @@ class _LockstepBuilder:
         k = self.next_b[unit]
         if self._no_backward(unit) or k >= self.next_f[unit]:
             return False
-        if self.name == "gpipe" and self.next_f[unit] < self.m:
+        if self.name is ScheduleName.GPIPE and self.next_f[unit] < self.m:
             return False
         if self.needed_grads[unit] == 0:  # last stage of a sink: its own forward must be done
             return self.forward_done_tick[(unit, k)] < tick
@@ -297,7 +316,7 @@ class _LockstepBuilder:
         if self.forward_only:
             in_flight = 0
         elif unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
-            in_flight = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+            in_flight = self._consumers_behind(unit)
         else:
             in_flight = k - self.next_b[unit]
         if k >= self.m or in_flight >= self.limit[unit]:
@@ -355,13 +374,13 @@ class _LockstepBuilder:
                     arrivals.append((counter, ((receiver, target), k)))
             for counter, key in arrivals:  # delivered for the next tick
                 counter[key] += 1
-            for rank in sorted(set(sends) | set(recvs)):
-                actions[rank].append(Exchange(tuple(sorted(sends[rank])), tuple(sorted(recvs[rank]))))
+            for rank, exchange in _exchanges(sends, recvs):
+                actions[rank].append(exchange)
             tick += 1
         return Schedule(self.name, self.m, self.forward_only, tuple(tuple(a) for a in actions))
 
 
-class _TimedBuilder:
+class _TimedBuilder(_Builder):
     """zero_bubble: every rank runs one compute at a time on a clock with :class:`PhaseCosts`.
 
     Whenever a rank is free it starts, among the units it holds, an ``I`` whose gradients
@@ -376,22 +395,15 @@ class _TimedBuilder:
     """
 
     def __init__(
-        self, layout: PipelineLayout, m: int, numbering: str, no_backward: frozenset[str],
+        self, layout: PipelineLayout, m: int, numbering: Numbering, no_backward: frozenset[str],
         memory: ZeroBubbleMemory, costs: PhaseCosts,
     ) -> None:
-        self.layout = layout
-        self.m = m
-        self.no_backward = no_backward
+        super().__init__(layout, m, no_backward)
         self.memory = memory
         self.costs = costs
-        info = _Units(layout, no_backward)
-        self.units = info.slots
-        self.needed_inputs, self.needed_grads = info.needed_inputs, info.needed_grads
-        self.consumers, self.sends_grads = info.consumers, info.sends_grads
         # 1F1B's bound per unit, always allowed (it is what keeps 1F1B from stalling)
         self.own_limit: dict[_Unit, float] = {
-            u: layout.depth - layout.stage_index(slot.module, slot.stage, numbering) + memory.extra
-            for u, slot in self.units.items()
+            u: self._own_limit(slot, numbering) + memory.extra for u, slot in self.units.items()
         }
         trained = [u for u in self.units if u[1] not in no_backward]
         if memory.bound == "max":
@@ -408,7 +420,6 @@ class _TimedBuilder:
         self.trained_on_rank: dict[int, list[_Unit]] = defaultdict(list)
         for u in trained:
             self.trained_on_rank[u[0]].append(u)
-        self.next_f = {u: 0 for u in self.units}
         self.next_i = {u: 0 for u in self.units}  # next I (or, without an I, next backward: the lone W)
         self.next_w = {u: 0 for u in self.units}
         # arrival times of the inputs / gradients of (unit, k)
@@ -438,7 +449,7 @@ class _TimedBuilder:
         if k >= self.m:
             return False
         if unit[1] in self.no_backward:  # ahead of the slowest consumer's forwards
-            in_flight: float = k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
+            in_flight: float = self._consumers_behind(unit)
             if in_flight + 1 > self.own_limit[unit] + 1e-9:
                 return False
         else:
@@ -523,11 +534,10 @@ class _TimedBuilder:
                 )
             now = heapq.heappop(self.ends)
         for time, (sends, recvs) in rounds.items():
-            for rank in sorted(set(sends) | set(recvs)):
-                exchange = Exchange(tuple(sorted(sends.get(rank, ()))), tuple(sorted(recvs.get(rank, ()))))
+            for rank, exchange in _exchanges(sends, recvs):
                 timeline[rank].append((time, 0, exchange))
         actions = tuple(tuple(a for _, _, a in sorted(events, key=lambda e: e[:2])) for events in timeline)
-        return Schedule("zero_bubble", self.m, False, actions)
+        return Schedule(ScheduleName.ZERO_BUBBLE, self.m, False, actions)
 
     def _run(self, unit: _Unit, phase: Phase, now: float, timeline: list, rounds: dict, free_at: list) -> None:
         rank, module = unit

@@ -14,6 +14,10 @@ Example: ``a`` (pp=2) and ``b`` (pp=1) feed ``llm`` (pp=2). ASAP: ``a`` = 0, 1; 
 ``llm`` = 2, 3; depth 4. ALAP moves ``b`` to 1. The 1F1B schedule bounds the microbatches a
 stage holds in flight by ``depth - index``, so the numbering decides how many activations a
 short branch stashes (see :mod:`lightning_mmpp.core.schedule`).
+
+ALAP is the default everywhere (:data:`~lightning_mmpp.core.kinds.DEFAULT_NUMBERING`): the
+schedules, the runtime, the planner and the placement table use it unless a caller passes
+``numbering="asap"``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering
 from lightning_mmpp.errors import PipelineConfigError
 
 
@@ -32,8 +37,9 @@ class StageNumbering:
     alap: Mapping[tuple[str, int], int]
     depth: int
 
-    def index(self, module: str, stage: int, numbering: str = "asap") -> int:
-        table = self.asap if numbering == "asap" else self.alap
+    def index(self, module: str, stage: int, numbering: Numbering | str = DEFAULT_NUMBERING) -> int:
+        """The global index of ``module``'s stage ``stage`` under ``numbering`` (ALAP by default)."""
+        table = self.asap if Numbering.parse(numbering) is Numbering.ASAP else self.alap
         return table[(module, stage)]
 
 

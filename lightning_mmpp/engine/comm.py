@@ -398,7 +398,8 @@ class MultiModuleCommunicator:
             before anything is posted. The first message of a channel still carries its spec.
         reuse_receive_buffers: on CPU, receive into a buffer the channel used before once
             nothing uses it any more (warm pages, see :class:`_ReceiveBuffers`); ``False``: a
-            fresh buffer per message, for comparison (``benchmarks/bench_overlap.py --receive-pool``).
+            fresh buffer per message, for comparison (``benchmarks/bench_overlap.py --receive-pool``);
+            settable later as :attr:`reuse_receive_buffers`.
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, device: torch.device,
@@ -573,6 +574,16 @@ class MultiModuleCommunicator:
                     f"header says flag {flag}, tag {tag} (expected {FLAG_DATA}, {message_tag(key)}): the two ranks "
                     "exchanged different messages or in a different order, or the peer's payload changed."
                 )
+
+    @property
+    def reuse_receive_buffers(self) -> bool:
+        """Whether receives go into pooled buffers (CPU; see the constructor's argument). May be
+        changed between steps."""
+        return self._recv_buffers.enabled
+
+    @reuse_receive_buffers.setter
+    def reuse_receive_buffers(self, value: bool) -> None:
+        self._recv_buffers.enabled = bool(value) and self.device.type == "cpu"
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""

@@ -31,7 +31,6 @@ one all-reduce sums the squares over the world, and every local gradient is scal
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any

@@ -25,6 +25,7 @@ tied copies are summed, and the metrics are reduced so that every rank returns t
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_mmpp.core.actions import Schedule
-from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, StepKind
 from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.core.schedule import build_schedule, check_schedule_args
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
@@ -51,12 +52,14 @@ from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRunti
 from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options
 from lightning_mmpp.engine.tied import counts_in_norm, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import NULL_TRACER, Tracer, merge_traces
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction
 from lightning_mmpp.model.partition import Partition, partition_model
 from lightning_mmpp.model.pretrained import PretrainedWeights
 
 __all__ = ["PipelineEngine", "StepOutput", "is_partitioned"]
+
+log = logging.getLogger(__name__)
 
 _TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one metrics all-reduce
 
@@ -127,6 +130,8 @@ class PipelineEngine:
         timeout: timeout of the process groups the engine creates.
         launch_in_backward: start dp gradient buckets during the last backward (default: on
             accelerators, not on CPU; see :mod:`lightning_mmpp.engine.data_parallel`).
+        overlap: transfers run beside computes (default); ``False`` waits for every exchange, for
+            comparison (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`).
 
     ``torch.distributed`` must be initialised when the layout has more than one rank, with the
     layout's world size. Configuration errors are raised on every rank before any collective.
@@ -137,9 +142,9 @@ class PipelineEngine:
         model: nn.Module,
         layout: PipelineLayout,
         num_microbatches: int,
-        schedule: str = "1f1b",
+        schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B,
         *,
-        stage_numbering: str = "alap",
+        stage_numbering: Numbering | str = DEFAULT_NUMBERING,
         device: Optional[torch.device] = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         precision: str = "32-true",
@@ -150,8 +155,11 @@ class PipelineEngine:
         trace_dir: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
         launch_in_backward: Optional[bool] = None,
+        overlap: bool = True,
     ) -> None:
-        check_engine_options(layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained)
+        schedule, stage_numbering = check_engine_options(
+            layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained
+        )
         initialised = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if initialised else 1
         self.rank = dist.get_rank() if initialised else 0
@@ -165,8 +173,9 @@ class PipelineEngine:
         self.timeout = timeout
         self.trace_dir = trace_dir
         self._in_step = False
+        self._closed = False
         self._steps = 0
-        self._schedules: dict[tuple[bool, int], Schedule] = {}
+        self._schedules: dict[tuple[ScheduleName, bool, int], Schedule] = {}
         self._groups: list[Any] = []
 
         self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
@@ -204,6 +213,7 @@ class PipelineEngine:
         self.runtime = PipelineRuntime(
             layout, self.rank, self.comm, self.partition.runners, model, tracer=self.tracer,
             no_backward_modules=self.no_backward_modules, failures=self.failures, gradient_sync=self.gradients,
+            overlap=overlap,
         )
 
     # --- construction ------------------------------------------------------------------------
@@ -248,14 +258,18 @@ class PipelineEngine:
         """The parameters this rank owns (its stages'), sharded ones as DTensors: what its optimizer steps."""
         return [p for runner in self.partition.runners.values() for p in runner.parameters()]
 
-    def schedule(self, forward_only: bool = False, num_microbatches: Optional[int] = None) -> Schedule:
-        """The action lists of a training (or forward-only) step of ``num_microbatches``, built once and cached."""
+    def schedule(
+        self, forward_only: bool = False, num_microbatches: Optional[int] = None,
+        name: ScheduleName | str | None = None,
+    ) -> Schedule:
+        """The action lists of a training (or forward-only) step of ``num_microbatches`` under the
+        engine's schedule (or ``name``), built once and cached."""
         m = num_microbatches or self.num_microbatches
-        key = (forward_only, m)
+        name = ScheduleName.GPIPE if forward_only else ScheduleName.parse(name or self.schedule_name)
+        key = (name, forward_only, m)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(
-                self.layout, m, "gpipe" if forward_only else self.schedule_name, forward_only=forward_only,
-                numbering=self.stage_numbering,
+                self.layout, m, name, forward_only=forward_only, numbering=self.stage_numbering,
                 no_backward_modules=frozenset() if forward_only else self.no_backward_modules,
             )
         return self._schedules[key]
@@ -272,33 +286,46 @@ class PipelineEngine:
         ``step_index`` names the step in failure reports (default: the engine's own count).
         """
         kind = StepKind.parse(kind)
-        m, shard = self.batches.split(batch, kind.value)
-        self.failures.begin(self._steps if step_index is None else step_index, kind.value)
-        self._steps += 1
-        self.tracer.step = self._steps - 1 if step_index is None else step_index
-        predict = kind is StepKind.PREDICT
-        with self._running():
-            result = self.runtime.run(
-                self.schedule(kind.forward_only, m), shard, keep_sink_outputs=predict, compute_loss=not predict
-            )
-            self.comm.wait_sends()
-            self.comm.discard_backward_state()  # specs of channels that carried no gradient
+        result = self.run_pipeline(batch, kind, step_index=step_index)
         output = StepOutput(kind, batch_size_of(batch), local=result)
-        if predict:
+        if kind is StepKind.PREDICT:
             output.predictions = self.predictions.gather(result.sink_outputs)
             return output
         if kind is StepKind.TRAIN:
-            with self.tracer.span("dp_allreduce", "dp"):
+            with self.tracer.span("dp_allreduce", "dp"), self._collectives():
                 self.gradients.synchronize()
                 if self.tie_groups:  # copies of a parameter tied across ranks get the summed gradient
                     sum_tied_gradients(self.layout, self.partition.tied, self.tie_groups, self.rank)
-        with self.tracer.span("metrics_allreduce", "metrics"):
+        with self.tracer.span("metrics_allreduce", "metrics"), self._collectives():
             output.metrics, output.token_metrics, output.num_tokens = self._reduce_metrics(result, kind)
         if kind is StepKind.TRAIN:
             raise_if_loss_not_finite(self.failures, output.loss, result.sink_losses)
             if output.num_tokens is not None:  # per-token loss: every gradient holds a sum over tokens
                 self._divide_gradients(output.num_tokens)
         return output
+
+    def run_pipeline(
+        self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None,
+        schedule: ScheduleName | str | None = None,
+    ) -> StepResult:
+        """The pipeline part of :meth:`step` alone: this rank's actions for ``batch``, with no
+        gradient synchronisation and no metric reduction afterwards (for measuring the schedule,
+        or for a caller that reduces on its own). ``schedule`` runs another schedule than the
+        engine's on the same stages (its results are the same; its timing and memory are not)."""
+        kind = StepKind.parse(kind)
+        m, shard = self.batches.split(batch, kind)
+        self.failures.begin(self._steps if step_index is None else step_index, kind)
+        self.tracer.step = self._steps if step_index is None else step_index
+        self._steps += 1
+        predict = kind is StepKind.PREDICT
+        with self._running():
+            result = self.runtime.run(
+                self.schedule(kind.forward_only, m, schedule), shard, keep_sink_outputs=predict,
+                compute_loss=not predict,
+            )
+            self.comm.wait_sends()
+            self.comm.discard_backward_state()  # specs of channels that carried no gradient
+        return result
 
     @contextmanager
     def _running(self) -> Iterator[None]:
@@ -312,6 +339,22 @@ class PipelineEngine:
             raise
         self._in_step = False
 
+    @contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """The collectives after the pipeline (dp sums, metrics): a peer that failed mid-step makes
+        them fail too. Name its root cause, as a failed transfer does, and close the group."""
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as err:
+            if self.world_size == 1:
+                raise
+            failure = self.failures.transport_failure(err, range(self.world_size))
+            self._in_step = True
+            self.abort(failure)
+            raise failure from err
+
     def _reduce_metrics(
         self, result: StepResult, kind: StepKind
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
@@ -321,7 +364,7 @@ class PipelineEngine:
         divided by the global token count of the step (``None`` when no sink used that form).
         """
         local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
-        reduced = self.metrics.reduce(local, kind.value)
+        reduced = self.metrics.reduce(local, kind)
         metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
         sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
         if not sums:
@@ -350,6 +393,7 @@ class PipelineEngine:
             return
         self._in_step = False
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.rank)
             self._groups = []
             self.tie_groups = {}
             drop_transfer_references(exception, self.comm)
@@ -358,7 +402,11 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Write the trace (``trace_dir``), destroy the engine's process groups, remove gradient
-        hooks and release the failure board. The default process group stays (it is the caller's)."""
+        hooks and release the failure board. The default process group stays (it is the caller's).
+        Closing twice is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
         initialised = dist.is_available() and dist.is_initialized()
         if self.tracer.enabled and self.trace_dir is not None:
             self.tracer.write(self.trace_dir)
@@ -384,14 +432,15 @@ class PipelineEngine:
 def check_engine_options(
     layout: PipelineLayout,
     num_microbatches: Optional[int],
-    schedule: str,
-    stage_numbering: str,
+    schedule: ScheduleName | str,
+    stage_numbering: Numbering | str,
     static_shapes: bool,
     pretrained: Optional[Mapping[str, Any]],
-) -> None:
-    """The engine's options against the layout: raised identically on every rank, before any collective."""
-    check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
-    check_memory_options(layout.placements, schedule)
+) -> tuple[ScheduleName, Numbering]:
+    """The engine's options against the layout, raised identically on every rank before any
+    collective; returns the schedule and the stage numbering parsed."""
+    parsed = check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
+    check_memory_options(layout.placements, parsed[0])
     if not isinstance(static_shapes, bool):
         raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")
     unknown = sorted(set(pretrained or {}) - set(layout.placements))
@@ -400,6 +449,7 @@ def check_engine_options(
             f"pretrained= names {unknown}, which are not placed modules {list(layout.placements)}; key it by "
             "placement name."
         )
+    return parsed
 
 
 def default_device() -> torch.device:

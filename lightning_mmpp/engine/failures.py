@@ -40,10 +40,11 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from lightning_mmpp.errors import PipelineError
+from lightning_mmpp.core.kinds import Choice, StepKind
 from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.errors import PipelineError
 
-__all__ = ["FailureBoard", "FailureReport", "PipelineError", "describe_rank"]
+__all__ = ["FailureBoard", "FailureKind", "FailureReport", "PipelineError", "describe_rank"]
 
 # Seconds a rank whose transfer failed waits for a report (or its peers' acks) before it
 # concludes that a silent peer died; and the most rank 0 waits for acks before it leaves.
@@ -52,26 +53,43 @@ LINGER_S = 5.0
 _POLL_S = 0.02
 
 
+class FailureKind(Choice):
+    """How a rank failed: its own code raised, it died (or stopped responding), its step's loss
+    was not finite, or its job was preempted."""
+
+    RAISED = "raised"
+    DIED = "died"
+    NON_FINITE_LOSS = "non-finite loss"
+    PREEMPTED = "preempted"
+
+    @classmethod
+    def label(cls) -> str:
+        return "failure kind"
+
+
 @dataclass(frozen=True)
 class FailureReport:
-    """What went wrong where. ``kind`` is ``"raised"``, ``"died"``, ``"non-finite loss"`` or
-    ``"preempted"``."""
+    """What went wrong where: ``kind`` (a :class:`FailureKind` or its spelling), and the kind of
+    step (``phase``) the rank was running."""
 
     rank: int
     where: str
-    kind: str
+    kind: FailureKind
     exc_type: str = ""
     message: str = ""
     step: Optional[int] = None
     microbatch: Optional[int] = None
-    phase: str = "train"
+    phase: StepKind = StepKind.TRAIN
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FailureKind.parse(self.kind))
 
     def describe(self) -> str:
         """One line that starts with the rank, e.g. ``rank 2 (llm stage 1) raised ValueError: ...``."""
         head = f"rank {self.rank} ({self.where})"
-        if self.kind == "raised":
+        if self.kind is FailureKind.RAISED:
             what = f"{head} raised {self.exc_type}: {self.message}"
-        elif self.kind == "died":
+        elif self.kind is FailureKind.DIED:
             what = f"{head} stopped responding: it died, was killed or is stuck ({self.message})"
         else:
             what = f"{head} {self.message}"
@@ -80,7 +98,7 @@ class FailureReport:
     def _at(self) -> str:
         if self.step is None:
             return ""
-        phase = "" if self.phase == "train" else f" ({self.phase})"
+        phase = "" if self.phase == StepKind.TRAIN else f" ({self.phase})"
         micro = "" if self.microbatch is None else f", microbatch {self.microbatch}"
         return f" at step {self.step}{micro}{phase}"
 
@@ -106,17 +124,6 @@ def describe_rank(layout: Optional[PipelineLayout], rank: int) -> str:
     return ", ".join(parts) if parts else "no module"
 
 
-def _default_store() -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a backend without a store: reports stay local
-        return None
-
-
 class FailureBoard:
     """This rank's view of the failure reports of one Trainer call.
 
@@ -131,7 +138,7 @@ class FailureBoard:
         self.rank = rank
         self.world_size = world_size
         self.step: Optional[int] = None
-        self.phase = "train"
+        self.phase: StepKind = StepKind.TRAIN
         self._store: Any = None
         self._server: Any = None
         self._address: Optional[tuple[str, int]] = None
@@ -151,7 +158,9 @@ class FailureBoard:
         import torch.distributed as dist
 
         self.failed = False
-        base = _default_store()
+        from lightning_mmpp.torch_api import default_store
+
+        base = default_store()
         if base is None or self.world_size == 1:
             return
         ticket = int(base.add("mmpp/failures/tickets", 1))
@@ -184,18 +193,20 @@ class FailureBoard:
         self._store = None
         self._server = None
 
-    def begin(self, step: Optional[int], phase: str) -> None:
-        """Where this rank is: ``step`` (the global step) and ``phase`` (train/validate/...)."""
+    def begin(self, step: Optional[int], kind: StepKind) -> None:
+        """Where this rank is: ``step`` (the global step) and the ``kind`` of step it runs (parsed
+        by the caller, :meth:`~lightning_mmpp.engine.engine.PipelineEngine.step`)."""
         self.step = step
-        self.phase = phase
+        self.phase = kind
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def report(self, kind: str, exc_type: str = "", message: str = "", microbatch: Optional[int] = None,
-               rank: Optional[int] = None) -> FailureReport:
+    def report(self, kind: FailureKind | str, exc_type: str = "", message: str = "",
+               microbatch: Optional[int] = None, rank: Optional[int] = None) -> FailureReport:
+        """A report of this board's step, about this rank or ``rank``."""
         who = self.rank if rank is None else rank
-        return FailureReport(who, describe_rank(self.layout, who), kind, exc_type, message[:2000],
-                             self.step, microbatch, self.phase)
+        return FailureReport(who, describe_rank(self.layout, who), FailureKind.parse(kind), exc_type,
+                             message[:2000], self.step, microbatch, self.phase)
 
     def publish(self, report: FailureReport) -> FailureReport:
         """Publish ``report`` unless a root cause is already there; return the root cause."""
@@ -212,7 +223,7 @@ class FailureBoard:
 
     def publish_exception(self, err: BaseException, microbatch: Optional[int]) -> FailureReport:
         """Publish ``err`` raised by this rank's own code (the root cause of a failing step)."""
-        return self.publish(self.report("raised", type(err).__name__, str(err).strip(), microbatch))
+        return self.publish(self.report(FailureKind.RAISED, type(err).__name__, str(err).strip(), microbatch))
 
     def _ack(self) -> None:
         self._store.set(self._prefix + f"ack/{self.rank}", "1")
@@ -258,7 +269,7 @@ class FailureBoard:
             if self.rank == 0:
                 return PipelineError(f"{seen} and the process group's store failed ({store_err}). "
                                      f"Transport error: {err}")
-            root = self.report("died", message="the process group's store it hosts is unreachable",
+            root = self.report(FailureKind.DIED, message="the process group's store it hosts is unreachable",
                                microbatch=microbatch, rank=0)
         if root is None:
             return PipelineError(f"{seen}; no rank reported an error (a failure outside the pipeline step, or "
@@ -277,12 +288,12 @@ class FailureBoard:
             gone = [p for p in silent if self._process_gone(p)]
             if gone:  # a peer on this host whose process no longer exists
                 return self.publish(self.report(
-                    "died", message="its process is gone", microbatch=microbatch, rank=gone[0]))
+                    FailureKind.DIED, message="its process is gone", microbatch=microbatch, rank=gone[0]))
             if time.monotonic() >= deadline:
                 if not silent:
                     return None  # every peer is alive and none reported a cause
                 return self.publish(self.report(
-                    "died", message=f"no report from it within {grace_s:.0f} s of its connections failing",
+                    FailureKind.DIED, message=f"no report from it within {grace_s:.0f} s of its connections failing",
                     microbatch=microbatch, rank=silent[0]))
             time.sleep(_POLL_S)
 
@@ -368,10 +379,10 @@ def raise_if_loss_not_finite(board: FailureBoard, loss: Any, sink_losses: dict[t
     hits = sorted((k, rank, module, value) for rank, part in enumerate(found) for k, module, value in part)
     if hits:
         k, rank, module, value = hits[0]
-        report = board.report("non-finite loss", message=f"computed a non-finite loss ({value}) for sink {module!r}",
+        report = board.report(FailureKind.NON_FINITE_LOSS, message=f"computed a non-finite loss ({value}) for sink {module!r}",
                               microbatch=k, rank=rank)
     else:
-        report = board.report("non-finite loss", message=f"step loss is {float(loss)}")
+        report = board.report(FailureKind.NON_FINITE_LOSS, message=f"step loss is {float(loss)}")
         report = FailureReport(-1, "all ranks", report.kind, "", report.message, report.step, None, report.phase)
     board.failed = True
     raise PipelineError(

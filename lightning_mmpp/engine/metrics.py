@@ -6,7 +6,7 @@ every metric already divided by the number of microbatches and sink replicas (se
 value. :class:`MetricReducer` does that sum with one all-reduce per step.
 
 The name protocol: the other ranks do not know the metric names, so the all-reduced vector is
-laid out by a list of names cached per kind of step (``"train"``, ``"val"``, ``"test"``). The
+laid out by a list of names cached per kind of step (:class:`~lightning_mmpp.core.kinds.StepKind`). The
 vector carries one extra element, non-zero when any rank holds a name outside the cache; then
 every rank gathers the names (an object gather, names only), rebuilds the cache and reduces
 again. After the first step of each kind that happens only if a new metric appears.
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_mmpp.core.kinds import StepKind
 
 __all__ = ["MetricReducer"]
 
@@ -35,16 +37,16 @@ class MetricReducer:
     def __init__(self, world_size: int, device: torch.device) -> None:
         self.world_size = world_size
         self.device = device
-        self._names: dict[str, list[str]] = {}
+        self._names: dict[StepKind, list[str]] = {}
 
-    def reduce(self, local: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
+    def reduce(self, local: Mapping[str, Tensor], kind: StepKind) -> dict[str, Tensor]:
         """The step's metrics, identical on every rank; every rank must call this."""
         names = self._names.get(kind, [])
         while True:
             unknown = float(any(n not in names for n in local))
-            zero = torch.zeros((), device=self.device)
+            zero = torch.zeros((), device=self.device, dtype=torch.float32)  # whatever the default dtype
             values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
-            vector = torch.stack(values + [torch.tensor(unknown, device=self.device)])
+            vector = torch.stack(values + [torch.tensor(unknown, device=self.device, dtype=torch.float32)])
             if self.world_size > 1:
                 dist.all_reduce(vector, op=dist.ReduceOp.SUM)
             if vector[-1].item() == 0:

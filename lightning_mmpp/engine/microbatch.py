@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import Tensor
-from lightning_mmpp import torch_api as pytree
 
+from lightning_mmpp import torch_api as pytree
+from lightning_mmpp.core.kinds import StepKind
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout
 
@@ -39,7 +40,6 @@ __all__ = [
     "Unsplit",
     "batch_size_of",
     "microbatch_count",
-    "same_order_on_every_rank",
     "slice_batch",
     "split_microbatches",
     "unwrap_unsplit",
@@ -150,9 +150,8 @@ def unwrap_unsplit(batch: Any) -> Any:
 class BatchSplitter:
     """Splits each global batch for one rank: microbatches, then this rank's dp shard of them.
 
-    Tracks, per kind of step (``"train"``, ``"eval"``, ``"predict"``), the largest batch seen: a
-    smaller one is a short last batch and runs with fewer microbatches
-    (:func:`microbatch_count`).
+    Tracks, per :class:`~lightning_mmpp.core.kinds.StepKind`, the largest batch seen: a smaller
+    one is a short last batch and runs with fewer microbatches (:func:`microbatch_count`).
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, num_microbatches: int) -> None:
@@ -160,9 +159,9 @@ class BatchSplitter:
         self.rank = rank
         self.num_microbatches = num_microbatches
         self.divisor = layout.batch_divisor
-        self._largest: dict[str, int] = {}
+        self._largest: dict[StepKind, int] = {}
 
-    def split(self, batch: Any, kind: str) -> tuple[int, Callable[[str, int], Any]]:
+    def split(self, batch: Any, kind: StepKind) -> tuple[int, Callable[[str, int], Any]]:
         """``(m, shard)``: the microbatch count, and ``shard(module, k)``, the part of microbatch
         ``k`` this rank's replica of ``module`` processes (what the pipeline hooks receive)."""
         size = batch_size_of(batch)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from lightning_mmpp import torch_api as pytree
 
+from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
 
 __all__ = [

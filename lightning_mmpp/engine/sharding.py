@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.partition import StageRunner
 
@@ -147,10 +148,10 @@ def dp_mesh(group: Any, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device_type=device.type, mesh_dim_names=(f"dp_{group.group_name}",))
 
 
-def check_memory_options(placements: Mapping[str, Any], schedule: str) -> None:
+def check_memory_options(placements: Mapping[str, Any], schedule: ScheduleName | str) -> None:
     """User errors of ``shard``/``recompute`` that need no model, raised on every rank at construction."""
     sharded = sorted(m for m, p in placements.items() if p.shard)
-    if sharded and schedule == "zero_bubble":
+    if sharded and schedule == ScheduleName.ZERO_BUBBLE:
         raise PipelineConfigError(
             f"modules {sharded} have shard=True, which schedule='zero_bubble' does not support: its split backward "
             "runs the weight half of a layer apart from its input half, and FSDP2 reduce-scatters a layer's "

@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from lightning_mmpp.engine.failures import FailureKind
 from lightning_mmpp.lightning.lightning_api import cluster_environment_of, route_signal_handlers
 
-__all__ = ["Preempted", "PreemptionHandler", "preemption_signals"]
+__all__ = ["Preempted", "PreemptionHandler", "install_preemption", "preemption_signals"]
 
 GRACE_S = 5.0
 
@@ -244,3 +245,21 @@ def _requeue_slurm_job() -> str:
     except FileNotFoundError:
         return f"; could not requeue SLURM job {job}: scontrol not found"
     return f"; requeued SLURM job {job}" if code == 0 else f"; requeueing SLURM job {job} failed ({code})"
+
+
+def install_preemption(handler: Optional[PreemptionHandler], trainer: Any, board: Any) -> PreemptionHandler:
+    """Install ``handler`` (made on first use) for ``trainer``'s run; a rank stuck mid-step past
+    the grace period leaves its root cause on the failure ``board`` before it exits."""
+
+    def on_stuck(signum: int, waited_s: float) -> None:  # watcher thread: leave a root cause
+        report = board.report(FailureKind.PREEMPTED, message=(
+            f"received {signal.Signals(signum).name} and left mid-step (no step boundary within {waited_s:.0f} s)"))
+        print(f"{report.describe()}; exiting with status {128 + signum}", file=sys.stderr, flush=True)
+        board.publish(report)
+
+    if handler is None:
+        handler = PreemptionHandler(preemption_signals(trainer), on_stuck)
+    else:
+        handler.on_stuck = on_stuck  # this run's failure board
+    handler.install(trainer)
+    return handler

@@ -3,18 +3,21 @@
 ``pipeline_loss(self, module, output, batch)`` names the sink it is called for (a model with
 several sinks can tell them apart). The older form ``pipeline_loss(self, output, batch)`` stays
 accepted: :func:`pipeline_loss_caller` inspects the signature once and returns a callable that
-always takes ``(module, output, batch)``.
+always takes ``(module, output, batch)``. ``pipeline_topology`` declares the module DAG on the
+model (:func:`resolve_topology`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
 
+from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.core.topology import ModuleTopology
 from lightning_mmpp.errors import PipelineConfigError
 
-__all__ = ["pipeline_loss_caller", "pipeline_loss_takes_module"]
+__all__ = ["pipeline_loss_caller", "pipeline_loss_takes_module", "resolve_topology"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -45,3 +48,35 @@ def pipeline_loss_caller(hooks: Any) -> Callable[[str, Any, Any], Any]:
     if pipeline_loss_takes_module(loss, type(hooks).__name__):
         return loss
     return lambda module, output, batch: loss(output, batch)
+
+
+def resolve_topology(
+    model: Any, placements: Mapping[str, Any], layout: Optional[PipelineLayout]
+) -> PipelineLayout:
+    """The layout of ``placements`` over the model's ``pipeline_topology`` (or ``layout``'s, given
+    to the strategy); when both exist they must agree."""
+    declared = getattr(model, "pipeline_topology", None)
+    if declared is None:
+        if layout is None:
+            raise PipelineConfigError(
+                f"MultiModulePipelineStrategy has no topology: declare `pipeline_topology = {{module: "
+                f"[downstream modules]}}` on {type(model).__name__} or pass topology= to the strategy."
+            )
+        return layout
+    try:
+        ours = ModuleTopology(declared)
+    except PipelineConfigError as err:
+        raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
+    if layout is None:
+        return PipelineLayout(placements, ours)
+    if _edges(ours) != _edges(layout.topology):
+        raise PipelineConfigError(
+            f"{type(model).__name__}.pipeline_topology {_edges(ours)} and the strategy's topology= "
+            f"{_edges(layout.topology)} disagree; pass only one (the model's is enough) or make them equal."
+        )
+    return layout
+
+
+def _edges(topology: ModuleTopology) -> dict[str, list[str]]:
+    """The DAG as ``{module: sorted downstream}`` in sorted module order (for comparisons)."""
+    return {m: sorted(topology.downstream(m)) for m in sorted(topology.modules)}

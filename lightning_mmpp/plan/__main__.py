@@ -22,6 +22,7 @@ import re
 import sys
 from typing import Any, Optional
 
+from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.plan.costs import ModelProfile
 from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
@@ -98,7 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, help="global batch per step (default: the profiled batch, 32 "
                         "when profiling)")
     parser.add_argument("--microbatches", type=int, help="fix the microbatch count")
-    parser.add_argument("--schedules", default="1f1b", help="comma-separated: 1f1b,gpipe,zero_bubble")
+    parser.add_argument("--schedules", default=ScheduleName.ONE_F_ONE_B.value,
+                        help="comma-separated: " + ",".join(s.value for s in ScheduleName))
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="the top plan is within 1 + this of an exhaustive search's best (0: exact, slower)")

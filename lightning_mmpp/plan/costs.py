@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_mmpp.core.balance import balanced_split
+from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 
@@ -363,15 +364,16 @@ class CostModel:
     def weight(self, module: str, stage: int) -> float:
         return self._stages[(module, stage)].weight_s
 
-    def inflight_bound(self, layout: PipelineLayout, module: str, stage: int, schedule: str) -> int:
-        """Microbatches ``(module, stage)`` holds at most under ``schedule`` (1F1B: ``depth - index``)."""
+    def inflight_bound(self, layout: PipelineLayout, module: str, stage: int, schedule: ScheduleName) -> int:
+        """Microbatches ``(module, stage)`` holds at most under ``schedule`` (1F1B: ``depth - index``,
+        in the default stage numbering the schedules use)."""
         if module in self.no_backward:
             return 0
-        if schedule == "gpipe":
+        if schedule == ScheduleName.GPIPE:
             return self.m
-        if schedule == "zero_bubble":
+        if schedule == ScheduleName.ZERO_BUBBLE:
             return min(self.m, layout.depth)
-        return min(self.m, layout.depth - layout.stage_index(module, stage, "alap"))
+        return min(self.m, layout.depth - layout.stage_index(module, stage))
 
     def peak_memory(self, layout: PipelineLayout, inflight: Mapping[tuple[int, str], float]) -> list[float]:
         """Peak bytes per rank of ``layout`` given the microbatches each ``(rank, module)`` holds."""

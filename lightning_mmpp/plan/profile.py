@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from lightning_mmpp import torch_api as pytree
 
+from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
 from lightning_mmpp.model.partition import _layer_container, named_layers
@@ -178,6 +178,37 @@ def profile_model(
         A :class:`~lightning_mmpp.plan.costs.ModelProfile`.
     """
     device = torch.device(device)
+    topology, topo = _model_topology(lightning_module, topology)
+    no_backward = topo.no_backward_modules(_frozen_modules(lightning_module, topo))
+    batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    samples = _batch_size(batch)
+    modules: dict[str, ModuleProfile] = {}
+    outputs: dict[str, Any] = {}
+    was_training = lightning_module.training
+    lightning_module.train()
+    try:
+        for module in topo.order:
+            x = lightning_module.pipeline_inputs(module, batch, {u: outputs[u] for u in topo.upstream(module)})
+            trains = module not in no_backward
+            modules[module], outputs[module] = _profile_module(
+                lightning_module, module, x, trains, bool(topo.upstream(module)), repeats, device, samples, seed
+            )
+    finally:
+        lightning_module.train(was_training)
+    default_bw, default_latency = default_link(str(device))
+    ordered = {m: modules[m] for m in topology}
+    return ModelProfile(
+        modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
+        latency_s=default_latency if latency_s is None else latency_s, device=str(device),
+    )
+
+
+def _model_topology(
+    lightning_module: nn.Module, topology: Optional[Mapping[str, Sequence[str]]]
+) -> tuple[Mapping[str, Sequence[str]], ModuleTopology]:
+    """The topology to profile (given, or the model's ``pipeline_topology``), with every module
+    built: modules the model creates in ``configure_model()`` are built on the meta device."""
     topology = topology if topology is not None else getattr(lightning_module, "pipeline_topology", None)
     if topology is None:
         raise PipelineConfigError(
@@ -190,42 +221,34 @@ def profile_model(
         if callable(configure):
             with torch.device("meta"):
                 configure()
-    frozen = [m for m in topo.order if isinstance(getattr(lightning_module, m, None), nn.Module)
-              and not any(p.requires_grad for p in getattr(lightning_module, m).parameters())]
-    no_backward = topo.no_backward_modules(frozen)
-    batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-    samples = _batch_size(batch)
-    modules: dict[str, ModuleProfile] = {}
-    outputs: dict[str, Any] = {}
-    was_training = lightning_module.training
-    lightning_module.train()
-    try:
-        for module in topo.order:
-            container = _layer_container(lightning_module, module, pp=1)
-            names, layers = named_layers(container)
-            x = lightning_module.pipeline_inputs(module, batch, {u: outputs[u] for u in topo.upstream(module)})
-            profiled = []
-            for i, (name, layer) in enumerate(zip(names, layers)):
-                on_meta = has_meta_tensors(layer)
-                if on_meta:
-                    _materialise_layer(layer, device, seed)
-                else:
-                    layer.to(device)
-                needs_grad = module not in no_backward and not (i == 0 and not topo.upstream(module))
-                result, x = _profile_layer(name or module, layer, x, needs_grad, repeats, device, samples)
-                if module in no_backward:
-                    result.backward_s, result.input_grad_s = 0.0, None
-                profiled.append(result)
-                if on_meta:
-                    layer.to("meta")
-            outputs[module] = x
-            modules[module] = ModuleProfile(profiled)
-    finally:
-        lightning_module.train(was_training)
-    default_bw, default_latency = default_link(str(device))
-    ordered = {m: modules[m] for m in topology}
-    return ModelProfile(
-        modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
-        bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
-        latency_s=default_latency if latency_s is None else latency_s, device=str(device),
-    )
+    return topology, topo
+
+
+def _frozen_modules(lightning_module: nn.Module, topo: ModuleTopology) -> list[str]:
+    """Modules without a trainable parameter."""
+    return [m for m in topo.order if isinstance(getattr(lightning_module, m, None), nn.Module)
+            and not any(p.requires_grad for p in getattr(lightning_module, m).parameters())]
+
+
+def _profile_module(
+    lightning_module: nn.Module, module: str, x: Any, trains: bool, has_upstream: bool, repeats: int,
+    device: torch.device, samples: int, seed: int,
+) -> tuple[ModuleProfile, Any]:
+    """Every layer of ``module`` measured on its input ``x``, one layer on ``device`` at a time (a
+    meta-built layer is materialised for its measurement and goes back to meta); and the module's output."""
+    names, layers = named_layers(_layer_container(lightning_module, module, pp=1))
+    profiled = []
+    for i, (name, layer) in enumerate(zip(names, layers)):
+        on_meta = has_meta_tensors(layer)
+        if on_meta:
+            _materialise_layer(layer, device, seed)
+        else:
+            layer.to(device)
+        needs_grad = trains and (i > 0 or has_upstream)
+        result, x = _profile_layer(name or module, layer, x, needs_grad, repeats, device, samples)
+        if not trains:
+            result.backward_s, result.input_grad_s = 0.0, None
+        profiled.append(result)
+        if on_meta:
+            layer.to("meta")
+    return ModuleProfile(profiled), x

@@ -34,10 +34,11 @@ from typing import Optional
 
 from lightning_mmpp.core.actions import Phase
 from lightning_mmpp.core.balance import balanced_split
+from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, metrics_seconds
-from lightning_mmpp.core.schedule import SCHEDULES, PhaseCosts, build_schedule
+from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 
 __all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
@@ -56,7 +57,7 @@ class Plan:
     placements: dict[str, ModulePlacement]
     topology: dict[str, list[str]]
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleName
     step_time_s: float
     peak_memory_bytes: tuple[float, ...]
     bubble_fraction: float
@@ -366,13 +367,6 @@ def _placements(space: _Space, structure: _Structure, collapse: bool = False,
     return {m: by_module[m] for m in space.profile.modules}
 
 
-def _lcm(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -386,7 +380,7 @@ def _dp_ok(placements: dict[str, ModulePlacement], topology: dict[str, list[str]
     return True
 
 
-def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
+def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: ScheduleName = ScheduleName.ONE_F_ONE_B,
                 no_backward: frozenset[str] = frozenset()) -> float:
     """A lower bound of the simulated step (without the step's closing metrics all-reduce),
     maximised over ranks: busy time + the forward path before the rank's first compute + (the
@@ -422,18 +416,18 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: str = "1f1b",
         # sum and, unless the backward is split (zero_bubble: the last compute may be a W that
         # nothing upstream waits for), the upstream backward path
         after = min(cost.stage(s.module, s.stage).sync_s for s in slots)
-        if schedule != "zero_bubble":
+        if schedule is not ScheduleName.ZERO_BUBBLE:
             after = max(after, min(tail[(s.module, s.stage)] for s in slots))
         bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots) + after)
-        if schedule == "zero_bubble":
+        if schedule is ScheduleName.ZERO_BUBBLE:
             continue
         for slot in slots:  # each stage's own chain: its first backward waits for the round trip
             if slot.module in no_backward:
                 continue
             key = (slot.module, slot.stage)
             f, b = cost.forward(*key), cost.backward(*key)
-            limit = cost.m if schedule == "gpipe" else \
-                min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage, "alap"))
+            limit = cost.m if schedule is ScheduleName.GPIPE else \
+                min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage))
             own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
             bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
     return bound
@@ -451,7 +445,9 @@ class _Evaluator:
         self.metrics_s = metrics_seconds(space.profile, space.world_size)  # every plan uses every rank
         self.smallest_peak: Optional[tuple[float, str]] = None
 
-    def choose_flags(self, structure: _Structure, m: int, schedule: str) -> Optional[tuple[dict, CostModel, float]]:
+    def choose_flags(
+        self, structure: _Structure, m: int, schedule: ScheduleName
+    ) -> Optional[tuple[dict, CostModel, float]]:
         """The fewest shard / recompute flags under which every rank fits (analytically), the
         cost model and its lower bound; ``None`` when nothing fits."""
         space = self.space
@@ -482,14 +478,14 @@ class _Evaluator:
             self.layouts[key] = layout
         return layout
 
-    def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int, schedule: str) -> bool:
+    def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int, schedule: ScheduleName) -> bool:
         """Switch on the flag that saves the most bytes on ``rank``; False when none is left."""
         best = None
         for slot in layout.slots(rank):
             shard, recompute = flags[slot.module]
             stage = cost.stage(slot.module, slot.stage)
             dp = cost.placements[slot.module].dp
-            if not shard and self.space.allow_shard and dp > 1 and schedule != "zero_bubble":
+            if not shard and self.space.allow_shard and dp > 1 and schedule is not ScheduleName.ZERO_BUBBLE:
                 saving = stage.static_bytes * (1 - 1 / dp)
                 if best is None or saving > best[0]:
                     best = (saving, slot.module, (True, recompute))
@@ -508,7 +504,7 @@ class _Evaluator:
                              for n, p in placements.items())
             self.smallest_peak = (peak, desc)
 
-    def simulate(self, structure: _Structure, m: int, schedule: str, flags: dict, cost: CostModel,
+    def simulate(self, structure: _Structure, m: int, schedule: ScheduleName, flags: dict, cost: CostModel,
                  bound: float) -> Optional[Plan]:
         space = self.space
         topology = space.profile.topology
@@ -516,7 +512,7 @@ class _Evaluator:
         layout = PipelineLayout(placements, topology)
         small = self.collapsed(structure)
         key = (tuple(sorted((n, p.pp, p.rank_offset) for n, p in small.placements.items())), m, schedule)
-        if schedule == "zero_bubble":
+        if schedule is ScheduleName.ZERO_BUBBLE:
             stages = [cost.stage(n, s) for n, p in placements.items() for s in range(p.pp) if n not in space.no_backward]
             mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
                     zip(*[(c.forward_s, c.input_s, c.weight_s) for c in stages])] if stages else [1.0, 1.0, 1.0]
@@ -528,7 +524,7 @@ class _Evaluator:
                 built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward)
                 self.schedules[key] = built
         try:
-            result = simulate(built, small, cost.forward, cost.backward, mode="eager", latency=0.0,
+            result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
         except DeadlockError:
             return None
@@ -584,7 +580,7 @@ def plan_placements(
     world_size: int,
     num_microbatches: Optional[int] = None,
     memory_limit_bytes: Optional[float] = None,
-    schedules: Sequence[str] = ("1f1b",),
+    schedules: Sequence[ScheduleName | str] = (ScheduleName.ONE_F_ONE_B,),
     top_k: int = 5,
     *,
     batch_size: Optional[int] = None,
@@ -621,78 +617,112 @@ def plan_placements(
         PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
             the smallest predicted peak and what would fit).
     """
+    schedule_names = _check_plan_args(world_size, schedules, tolerance)
+    if batch_size is not None:
+        profile = replace(profile, batch_size=batch_size)
+    space = _make_space(profile, world_size, memory_limit_bytes, allow_shard)
+    evaluator = _Evaluator(space, allow_recompute)
+    search = _Search(evaluator, top_k, tolerance, exhaustive)
+    total = sum(sum(space.work(m)) for m in profile.modules) * profile.batch_size
+    perfect = total / world_size
+    for factor in [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]:
+        threshold = perfect * factor
+        search.run(search.candidates(threshold, schedule_names, num_microbatches,
+                                     colocate=allow_colocation and not uniform, uniform=uniform))
+        # structures not enumerated yet have a busiest rank (so a step) of at least ``threshold``
+        if search.hopeless(threshold):
+            break
+    if not search.best:
+        _raise_nothing_fits(space, evaluator, memory_limit_bytes, world_size)
+    return search.best[:top_k]
+
+
+def _check_plan_args(world_size: int, schedules: Sequence[ScheduleName | str], tolerance: float) -> list[ScheduleName]:
+    """The schedules parsed; :class:`PipelineConfigError` for a bad world size, schedule or tolerance."""
     if not 0 <= tolerance < 1:
         raise PipelineConfigError(f"tolerance={tolerance!r}: give a fraction in [0, 1), e.g. 0.02.")
     if not isinstance(world_size, int) or world_size < 1:
         raise PipelineConfigError(f"world_size={world_size!r}: give the number of ranks, an integer >= 1.")
-    for name in schedules:
-        if name not in SCHEDULES:
-            raise PipelineConfigError(f"unknown schedule {name!r}; choose from {list(SCHEDULES)}.")
-    if batch_size is not None:
-        profile = replace(profile, batch_size=batch_size)
-    layout_topology = PipelineLayout({m: ModulePlacement() for m in profile.modules}, profile.topology).topology
-    upstream = {m: list(layout_topology.upstream(m)) for m in profile.modules}
-    space = _Space(profile=profile, world_size=world_size,
-                   no_backward=layout_topology.no_backward_modules(profile.frozen_modules()),
-                   order=layout_topology.order, upstream=upstream,
-                   dp_options=tuple(d for d in _divisors(profile.batch_size) if d <= world_size),
-                   memory_limit=memory_limit_bytes, allow_shard=allow_shard)
-    evaluator = _Evaluator(space, allow_recompute)
-    total = sum(sum(space.work(m)) for m in profile.modules) * profile.batch_size
-    perfect = total / world_size
-    best: list[Plan] = []
-    evaluated: set = set()
-    seen_plans: set = set()
-    factors = [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]
+    return [ScheduleName.parse(name) for name in schedules]
 
-    def hopeless(bound: float) -> bool:
+
+def _make_space(profile: ModelProfile, world_size: int, memory_limit: Optional[float], allow_shard: bool) -> _Space:
+    topology = PipelineLayout({m: ModulePlacement() for m in profile.modules}, profile.topology).topology
+    return _Space(profile=profile, world_size=world_size,
+                  no_backward=topology.no_backward_modules(profile.frozen_modules()),
+                  order=topology.order, upstream={m: list(topology.upstream(m)) for m in profile.modules},
+                  dp_options=tuple(d for d in _divisors(profile.batch_size) if d <= world_size),
+                  memory_limit=memory_limit, allow_shard=allow_shard)
+
+
+# (lower bound, order, level, structure, microbatches, schedule, (flags, cost model, bound) from level 1)
+_Candidate = tuple[float, int, int, _Structure, int, ScheduleName, Optional[tuple]]
+
+
+class _Search:
+    """The best plans so far, and the candidates already queued (over every threshold)."""
+
+    def __init__(self, evaluator: _Evaluator, top_k: int, tolerance: float, exhaustive: bool) -> None:
+        self.evaluator = evaluator
+        self.space = evaluator.space
+        self.top_k = top_k
+        self.tolerance = tolerance
+        self.exhaustive = exhaustive
+        self.best: list[Plan] = []
+        self.evaluated: set = set()
+        self.seen_plans: set = set()
+
+    def hopeless(self, bound: float) -> bool:
         """Whether a candidate whose step is at least ``bound`` can be skipped."""
-        if exhaustive or len(best) < top_k:
+        best, top_k = self.best, self.top_k
+        if self.exhaustive or len(best) < top_k:
             return False
-        return bound >= best[top_k - 1].step_time_s or (tolerance > 0 and bound * (1 + tolerance) >= best[0].step_time_s)
+        return bound >= best[top_k - 1].step_time_s or (
+            self.tolerance > 0 and bound * (1 + self.tolerance) >= best[0].step_time_s
+        )
 
-    for factor in factors:
-        threshold = perfect * factor
-        # best first over lower bounds, refined lazily: level 0 is the structure's busiest rank
-        # (cheap), level 1 the cost model's path bound with the shard / recompute flags memory
-        # needs (built only for candidates that level 0 cannot rule out), then the simulation
-        queue: list[tuple[float, int, int, _Structure, int, str, Optional[tuple]]] = []
-        for structure in _structures(space, threshold, allow_colocation and not uniform, uniform):
+    def candidates(self, threshold: float, schedules: Sequence[ScheduleName], num_microbatches: Optional[int],
+                   colocate: bool, uniform: bool) -> list[_Candidate]:
+        """Every new (structure, microbatches, schedule) whose busiest rank is below ``threshold``, at level 0."""
+        space = self.space
+        profile = space.profile
+        queue: list[_Candidate] = []
+        for structure in _structures(space, threshold, colocate, uniform):
             placements = _placements(space, structure)
             if not _dp_ok(placements, profile.topology):
                 continue
-            lcm_dp = _lcm([p.dp for p in placements.values()])
+            lcm_dp = math.lcm(*(p.dp for p in placements.values()))
             for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
                 for schedule in schedules:
                     key = (structure.groups, structure.beside, m, schedule)
-                    if key in evaluated:
+                    if key in self.evaluated:
                         continue
-                    evaluated.add(key)
+                    self.evaluated.add(key)
                     queue.append((structure.busy, len(queue), 0, structure, m, schedule, None))
+        return queue
+
+    def run(self, queue: list[_Candidate]) -> None:
+        """Best first over lower bounds, refined lazily: level 0 is the structure's busiest rank
+        (cheap), level 1 the cost model's path bound with the shard / recompute flags memory
+        needs (built only for candidates that level 0 cannot rule out), then the simulation."""
         heapq.heapify(queue)
         count = len(queue)
         while queue:
             bound, _, level, structure, m, schedule, chosen = heapq.heappop(queue)
-            if hopeless(bound):
+            if self.hopeless(bound):
                 break
             if level == 0:
-                chosen = evaluator.choose_flags(structure, m, schedule)
+                chosen = self.evaluator.choose_flags(structure, m, schedule)
                 if chosen is not None:
                     heapq.heappush(queue, (max(bound, chosen[2]), count, 1, structure, m, schedule, chosen))
                     count += 1
                 continue
             flags, cost, _ = chosen
-            plan = evaluator.simulate(structure, m, schedule, flags, cost, bound)
-            if plan is not None and _plan_key(plan) not in seen_plans:
-                seen_plans.add(_plan_key(plan))
-                best.append(plan)
-                best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
-        # structures not enumerated yet have a busiest rank (so a step) of at least ``threshold``
-        if hopeless(threshold):
-            break
-    if not best:
-        _raise_nothing_fits(space, evaluator, memory_limit_bytes, world_size)
-    return best[:top_k]
+            plan = self.evaluator.simulate(structure, m, schedule, flags, cost, bound)
+            if plan is not None and _plan_key(plan) not in self.seen_plans:
+                self.seen_plans.add(_plan_key(plan))
+                self.best.append(plan)
+                self.best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
 
 
 def _raise_nothing_fits(space: _Space, evaluator: _Evaluator, limit: Optional[float], world_size: int) -> None:

@@ -80,6 +80,7 @@ import os
 import random
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -724,79 +725,113 @@ def load_checkpoint(
     docstring. Any problem raises the same error on every rank before any tensor is read.
     """
     path_text = _broadcast(os.fspath(checkpoint_path))  # one path for all ranks
-    unsafe = weights_only is False
     local_state = model_state_dict(model)
     opts = [_unwrap(o) for o in optimizers]
+    unsafe = weights_only is False
 
     # 1. every check that can fail, before any tensor is read; all ranks agree on the outcome
     failure: Optional[BaseException] = None
-    plan: dict[str, Any] = {}
+    plan: Optional[_LoadPlan] = None
     try:
-        path = _local_path(path_text)
-        manifest, metadata = _open_checkpoint(path)
-        assert manifest is not None
-        meta = _read_meta(path, manifest, weights_only=not unsafe)
-        aliases = {**meta["mmpp"].get("aliases", {}), **parameter_aliases(model, ties)}
-        plan["model"] = _plan_model(path, metadata, local_state, strict, aliases)
-        fqns = list(dict.fromkeys(_model_key(n) for n in plan["model"].values()))
-        plan["optimizers"] = None
-        if fitting and "optimizer_states" in meta:
-            plan["templates"] = [_local_optimizer_template(model, opt) for opt in opts]
-            plan["optimizers"] = _plan_optimizers(
-                path, metadata, meta["optimizer_states"], plan["templates"], aliases
-            )
-            fqns += [fqn for p in plan["optimizers"] for entries in p["entries"].values() for _, fqn in entries]
-        holds = _files_holding(metadata, fqns)
-        verify_files(path, manifest, list(holds), holds)
-        plan["rng"] = None
-        if fitting and rank < int(meta["mmpp"].get("world_size", 0)):  # a rank beyond it keeps its seed
-            verify_files(path, manifest, [_rng_file(rank)])
-            plan["rng"] = safe_torch_load(path / _rng_file(rank), weights_only=True, what="RNG states", checkpoint=path)
+        plan = _plan_load(path_text, model, opts, local_state, rank, fitting, strict, unsafe, ties)
     except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
         failure = exc
-    canonical = [plan["model"].get(k, k) for k in local_state] if failure is None else []
+    canonical = [plan.model.get(k, k) for k in local_state] if plan is not None else []
     reports = _all_gather({"error": _report(failure), "keys": list(local_state) + canonical})
     _raise_first([r["error"] for r in reports], failure, rank)
+    assert plan is not None
     if strict:
-        owned = {k for r in reports for k in r["keys"]}
-        unexpected = [
-            fqn[len(MODEL_PREFIX):] for fqn in metadata.state_dict_metadata
-            if fqn.startswith(MODEL_PREFIX) and fqn[len(MODEL_PREFIX):] not in owned
-        ]
-        if unexpected:
-            raise PipelineConfigError(
-                f"checkpoint {str(path)!r} does not match the model: it holds {unexpected[0]!r}, which the model "
-                f"does not have ({len(unexpected)} such entries). Build the model the checkpoint was saved from, "
-                "or set `strict_loading = False` on the LightningModule."
-            )
+        _check_nothing_unexpected(plan, {k for r in reports for k in r["keys"]})
 
     # 2. read this rank's entries (a collective), into the live tensors where they fit
-    stored = metadata.state_dict_metadata
+    flat = _read_planned(plan, local_state, unsafe)
+    checkpoint = _checkpoint_dict(plan, flat)
+    if plan.rng is not None:
+        _set_rng_state(plan.rng, device)
+    return checkpoint
+
+
+@dataclass
+class _LoadPlan:
+    """What :func:`load_checkpoint` reads on this rank, all checked before any tensor is read."""
+
+    path: Path
+    metadata: Metadata
+    meta: dict[str, Any]
+    model: dict[str, str]  # {local name: stored name}
+    templates: list[dict[str, Any]] = field(default_factory=list)  # local optimizer state templates
+    optimizers: Optional[list[dict[str, Any]]] = None  # per optimizer: entries to read, saved groups
+    rng: Optional[dict[str, Any]] = None  # this rank's saved RNG states
+
+
+def _plan_load(
+    path_text: str, model: nn.Module, opts: Sequence[torch.optim.Optimizer], local_state: Mapping[str, Any],
+    rank: int, fitting: bool, strict: bool, unsafe: bool, ties: Sequence[Any],
+) -> _LoadPlan:
+    """Open and verify the checkpoint and match it against this rank's model and optimizers."""
+    path = _local_path(path_text)
+    manifest, metadata = _open_checkpoint(path)
+    assert manifest is not None
+    meta = _read_meta(path, manifest, weights_only=not unsafe)
+    aliases = {**meta["mmpp"].get("aliases", {}), **parameter_aliases(model, ties)}
+    plan = _LoadPlan(path, metadata, meta, _plan_model(path, metadata, local_state, strict, aliases))
+    fqns = list(dict.fromkeys(_model_key(n) for n in plan.model.values()))
+    if fitting and "optimizer_states" in meta:
+        plan.templates = [_local_optimizer_template(model, opt) for opt in opts]
+        plan.optimizers = _plan_optimizers(path, metadata, meta["optimizer_states"], plan.templates, aliases)
+        fqns += [fqn for p in plan.optimizers for entries in p["entries"].values() for _, fqn in entries]
+    holds = _files_holding(metadata, fqns)
+    verify_files(path, manifest, list(holds), holds)
+    if fitting and rank < int(meta["mmpp"].get("world_size", 0)):  # a rank beyond it keeps its seed
+        verify_files(path, manifest, [_rng_file(rank)])
+        plan.rng = safe_torch_load(path / _rng_file(rank), weights_only=True, what="RNG states", checkpoint=path)
+    return plan
+
+
+def _check_nothing_unexpected(plan: _LoadPlan, owned: set[str]) -> None:
+    """Strict loading: every model entry of the checkpoint is some rank's (``owned``: every rank's names)."""
+    unexpected = [
+        fqn[len(MODEL_PREFIX):] for fqn in plan.metadata.state_dict_metadata
+        if fqn.startswith(MODEL_PREFIX) and fqn[len(MODEL_PREFIX):] not in owned
+    ]
+    if unexpected:
+        raise PipelineConfigError(
+            f"checkpoint {str(plan.path)!r} does not match the model: it holds {unexpected[0]!r}, which the model "
+            f"does not have ({len(unexpected)} such entries). Build the model the checkpoint was saved from, "
+            "or set `strict_loading = False` on the LightningModule."
+        )
+
+
+def _read_planned(plan: _LoadPlan, local_state: Mapping[str, Any], unsafe: bool) -> dict[str, Any]:
+    """Read the planned entries (a collective): ``{stored key: tensor}``, into live tensors where they fit."""
+    stored = plan.metadata.state_dict_metadata
     flat: dict[str, Any] = {}
-    for name, stored_name in plan["model"].items():
+    for name, stored_name in plan.model.items():
         flat[_model_key(stored_name)] = _template(stored[_model_key(stored_name)], local_state[name])
-    for i, opt_plan in enumerate(plan["optimizers"] or []):
-        live = plan["templates"][i]["state"]
+    for i, opt_plan in enumerate(plan.optimizers or []):
+        live = plan.templates[i]["state"]
         for name, entries in opt_plan["entries"].items():
             for key, fqn in entries:
                 flat[fqn] = _template(stored[fqn], live.get(name, {}).get(key))
-    dcp_load(flat, path, distributed=_distributed(), weights_only=not unsafe)
+    dcp_load(flat, plan.path, distributed=_distributed(), weights_only=not unsafe)
+    return flat
 
-    checkpoint = dict(meta)
-    checkpoint["state_dict"] = {name: flat[_model_key(stored_name)] for name, stored_name in plan["model"].items()}
-    if plan["optimizers"] is not None:
+
+def _checkpoint_dict(plan: _LoadPlan, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The Lightning checkpoint dict: the saved metadata, ``state_dict`` and name-keyed ``optimizer_states``."""
+    checkpoint = dict(plan.meta)
+    checkpoint["state_dict"] = {name: flat[_model_key(stored_name)] for name, stored_name in plan.model.items()}
+    if plan.optimizers is not None:
         checkpoint["optimizer_states"] = [
             {
                 "state": {name: {key: flat[fqn] for key, fqn in entries} for name, entries in p["entries"].items()},
                 "param_groups": [
                     {**_group_hyperparameters(saved), "params": list(group["params"])}
-                    for group, saved in zip(plan["templates"][i]["param_groups"], p["saved_groups"])
+                    for group, saved in zip(plan.templates[i]["param_groups"], p["saved_groups"])
                 ],
             }
-            for i, p in enumerate(plan["optimizers"])
+            for i, p in enumerate(plan.optimizers)
         ]
-    if plan["rng"] is not None:
-        _set_rng_state(plan["rng"], device)
     return checkpoint
 
 
