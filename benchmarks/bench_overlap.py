@@ -22,6 +22,10 @@ schedule's critical path, the step it predicts, and the least any schedule could
 first microbatch's activations cross ``pp - 1`` links before the last stage can start, the
 last gradients cross them back).
 
+``--receive-pool`` adds, interleaved in the same rounds, the overlapped runtime with a fresh
+receive buffer per message (the communicator's ``reuse_receive_buffers=False``) against the
+default pooled buffers.
+
 ``--trace PNG`` also draws one overlapped step with the large payload (``plot_trace.py``:
 receives in flight as thin bars under each rank's computes).
 """
@@ -69,15 +73,19 @@ def one_way_seconds(rank: int, nbytes: int, repeats: int = 11) -> float:
 
 
 def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str, int], rounds: int,
-           steps: int, trace_dir: Optional[str]) -> tuple[dict[str, list[float]], dict[str, float]]:
+           steps: int, trace_dir: Optional[str], pool_ablation: bool = False
+           ) -> tuple[dict[str, list[float]], dict[str, float]]:
     raw = {label: one_way_seconds(rank, nbytes) for label, nbytes in sizes.items()}
     runs = {}
+    modes = [("overlap", True, True), ("blocking", False, True)]
+    if pool_ablation:
+        modes.append(("overlap fresh", True, False))
     for label, nbytes in sizes.items():
         rows = max(1, nbytes // (4 * 1024))
-        for overlap in (True, False):
+        for mode, overlap, pooled in modes:
             pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), overlap=overlap,
-                               pass_through=True)
-            runs[f"{label} {'overlap' if overlap else 'blocking'}"] = (lambda p=pipe: p.step()[0])
+                               pass_through=True, reuse_receive_buffers=pooled)
+            runs[f"{label} {mode}"] = (lambda p=pipe: p.step()[0])
     times = interleaved(runs, rounds, steps)
     if trace_dir is not None:  # two traced steps with the large payload, overlapped
         rows = max(1, list(sizes.values())[-1] // (4 * 1024))
@@ -99,15 +107,18 @@ def main() -> None:
     parser.add_argument("--large-mib", type=float, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--receive-pool", action="store_true",
+                        help="also run the overlapped runtime without pooled receive buffers, interleaved")
     parser.add_argument("--trace", metavar="PNG", help="draw one overlapped step with the large payload")
     args = parser.parse_args()
     sizes = {f"{args.small_kib:g} KiB": int(args.small_kib * KIB), f"{args.large_mib:g} MiB": int(args.large_mib * KIB * KIB)}
     print(f"$ python benchmarks/bench_overlap.py --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
-          f"--small-kib {args.small_kib:g} --large-mib {args.large_mib:g} --rounds {args.rounds} --steps {args.steps}")
+          f"--small-kib {args.small_kib:g} --large-mib {args.large_mib:g} --rounds {args.rounds} --steps {args.steps}"
+          + (" --receive-pool" if args.receive_pool else ""))
     print(f"({machine()})")
     trace_dir = tempfile.mkdtemp(prefix="overlap_trace_") if args.trace else None
     times, raw = run_distributed(worker, args.pp, args.m, args.tf, args.tb, sizes, args.rounds, args.steps,
-                                 trace_dir, timeout=900)[0]
+                                 trace_dir, args.receive_pool, timeout=900)[0]
     ideal = (args.m + args.pp - 1) * (args.tf + args.tb)
     small, large = sizes
     rows = []
@@ -116,6 +127,18 @@ def main() -> None:
         rows.append((mode, f"{s * 1000:.1f}", f"{l * 1000:.1f}", f"{l / s:.3f}", f"{s / ideal:.3f}", f"{l / ideal:.3f}"))
     section(f"1F1B, {args.pp}-stage chain, m={args.m}, ideal {ideal * 1000:.0f} ms")
     print(table(["runtime", f"{small} ms", f"{large} ms", "large / small", "small / ideal", "large / ideal"], rows))
+    if args.receive_pool:
+        section("overlapped, receive buffers pooled (default) vs a fresh buffer per message")
+        rows = []
+        for mode, name in (("overlap", "pooled"), ("overlap fresh", "fresh")):
+            s, l = median(times[f"{small} {mode}"]), median(times[f"{large} {mode}"])
+            rows.append((name, f"{s * 1000:.1f}", f"{l * 1000:.1f}", f"{l / s:.3f}"))
+        pooled, fresh = (median(times[f"{large} {mode}"]) for mode in ("overlap", "overlap fresh"))
+        print(table(["receive buffers", f"{small} ms", f"{large} ms", "large / small"], rows))
+        n = args.steps
+        per_round = [median(times[f"{large} overlap"][i:i + n]) / median(times[f"{large} overlap fresh"][i:i + n])
+                     for i in range(0, len(times[f"{large} overlap"]), n)]
+        print(f"{large}: pooled / fresh {pooled / fresh:.3f} (per round: {' '.join(f'{r:.2f}' for r in per_round)})")
     layout = chain(args.pp)
     schedule = build_schedule(layout, args.m, "1f1b")
     section("one gloo transfer, and the simulator with it as the per-transfer latency")

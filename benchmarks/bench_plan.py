@@ -119,8 +119,7 @@ def worker(rank: int, world: int, runs: list[tuple[Any, ModelProfile]], steps: i
         for step in range(steps + 1):
             dist.barrier()
             start = time.perf_counter()
-            runtime.run(schedule, shard)
-            comm.wait_sends()
+            runtime.run(schedule, shard)  # ends with comm.finish_step()
             t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if step:

@@ -293,8 +293,7 @@ class SyncPipeline:
             for p in runner.parameters():
                 p.grad = None
         start = time.perf_counter()
-        self.runtime.run(self.schedule, self._shard)
-        self.comm.wait_sends()
+        self.runtime.run(self.schedule, self._shard)  # ends with comm.finish_step()
         drained = time.perf_counter()
         self.gradients.synchronize()  # post-step: starts and waits; otherwise: waits
         end = time.perf_counter()

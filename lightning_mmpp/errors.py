@@ -22,3 +22,9 @@ class PipelineError(RuntimeError):
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class ExchangeMismatchError(RuntimeError):
+    """A received message is not the one this rank expected: two ranks issued their exchanges
+    with different messages or in a different order (or, under ``static_shapes``, a peer's
+    payload changed). Raised by the communicator where it reads the message's header."""

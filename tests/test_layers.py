@@ -64,7 +64,6 @@ def _private_uses(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="engine/comm.py's receive pool still reads torch._C (issue 26 item 5)")
 def test_private_torch_and_lightning_api_only_in_the_adapters():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):

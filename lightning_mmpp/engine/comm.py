@@ -57,6 +57,7 @@ tensor leaf detached (``requires_grad`` kept), and gradients are handed back as 
 from __future__ import annotations
 
 import enum
+import weakref
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -66,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mmpp.core.actions import Direction, MessageKey
-from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError
 from lightning_mmpp.engine.payload import (
     FLAG_DATA,
     FLAG_STALE,
@@ -173,13 +174,15 @@ class _Incoming:
         """The int64 values of the received buffer the state machine needs on the host."""
         return None
 
-    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
+        """Take the received part's ``values`` (see :meth:`scalars`) on ``rank``; returns the spec
+        of the channel when this part completed a new one."""
         raise NotImplementedError
 
-    def check_tag(self, tag: int, comm: "MultiModuleCommunicator") -> None:
+    def check_tag(self, tag: int, rank: int) -> None:
         if tag != message_tag(self.key):
-            raise RuntimeError(
-                f"rank {comm.rank} expected '{_describe(self.key)}' from rank {self.peer} but received a buffer with "
+            raise ExchangeMismatchError(
+                f"rank {rank} expected '{_describe(self.key)}' from rank {self.peer} but received a buffer with "
                 f"tag {tag} (expected {message_tag(self.key)}): the two ranks issued their exchanges with different "
                 "messages or in a different order. Every exchange's messages between two ranks must be "
                 "matched by one exchange on the peer, in the same order."
@@ -227,26 +230,25 @@ class _ForwardIncoming(_Incoming):
             return self.buffer
         return None
 
-    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
         assert self.buffer is not None
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             flag, tag = values
-            self.check_tag(tag, comm)
+            self.check_tag(tag, rank)
             if flag == FLAG_DATA:
                 self.done = True
             elif flag == FLAG_STALE and self.part is _Part.DATA:
                 self.part = _Part.LENGTH
             else:
-                raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
+                raise RuntimeError(f"rank {rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
         elif self.part is _Part.LENGTH:
             (self.spec_len,) = values
             self.part = _Part.SPEC
         else:
-            data = bytes(self.buffer.cpu().tolist())
-            self.spec = PayloadSpec.from_bytes(data)
-            comm._recv_cache[self.channel] = self.spec
-            comm.stats.metadata_exchanges += 1
+            self.spec = PayloadSpec.from_bytes(bytes(self.buffer.cpu().tolist()))
             self.part = _Part.NEW_DATA
+            return self.spec
+        return None
 
 
 class _BackwardIncoming(_Incoming):
@@ -268,12 +270,13 @@ class _BackwardIncoming(_Incoming):
         assert self.buffer is not None
         return self.buffer[:HEADER_BYTES].view(torch.int64)
 
-    def advance(self, values: list[int], comm: "MultiModuleCommunicator") -> None:
+    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
         flag, tag = values
-        self.check_tag(tag, comm)
+        self.check_tag(tag, rank)
         if flag != FLAG_DATA:
-            raise RuntimeError(f"rank {comm.rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
+            raise RuntimeError(f"rank {rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
         self.done = True
+        return None
 
 
 def _buffer_slot(peer: int, key: MessageKey) -> tuple[int, Direction, str, str]:
@@ -287,32 +290,55 @@ def _leaves(spec: PayloadSpec) -> str:
                            for m in spec.leaves) + "]"
 
 
+class _LentBuffer:
+    """One pooled receive buffer: memory the pool owns, lent as a tensor over a fresh memoryview.
+
+    ``torch.frombuffer`` makes a tensor whose storage holds the memoryview it was given until
+    the storage is freed, and every alias of that tensor (a view, ``detach()``, ``.data``, a
+    tensor saved for backward) shares the storage. The pool keeps only a weak reference to the
+    memoryview of the latest loan: once it is dead, nothing can read or write the memory any
+    more, and the buffer can be lent again.
+    """
+
+    ALIGNMENT = 64  # bytes, as torch's CPU allocator
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = bytearray(nbytes + self.ALIGNMENT - 1)
+        address = torch.frombuffer(self.memory, dtype=torch.uint8).data_ptr()
+        self.start = -address % self.ALIGNMENT
+        self.nbytes = nbytes
+        self.loan: Optional[weakref.ref[memoryview]] = None
+
+    def returned(self) -> bool:
+        """Whether nothing uses the latest loan any more (or it was never lent)."""
+        return self.loan is None or self.loan() is None
+
+    def lend(self) -> torch.Tensor:
+        view = memoryview(self.memory)[self.start : self.start + self.nbytes]
+        self.loan = weakref.ref(view)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
 class _ReceiveBuffers:
-    """Receive buffers per channel, reused once nothing references them (CPU only).
+    """Receive buffers per channel, lent again once nothing uses them (CPU only).
 
     A received payload is a set of views into its buffer and lives as long as the stage keeps
-    it (until its backward). A pooled buffer is lent as a fresh view of itself, so while the
-    message, its payload or anything derived from it by views exists, the buffer's storage has
-    more users than the pool's own tensor; only a buffer without them is lent again. Each
-    channel keeps buffers of its latest message size only, at most as many as it ever had in
-    use at once (the step's own peak; capped at :data:`MAX_POOLED`). Reusing saves the page
-    faults of a fresh allocation (16 MiB: 2.0 ms to allocate and fill vs 0.6 ms to refill on
-    the 2-core CI machine). On accelerators the caching allocator already reuses memory (and
-    knows the streams still using it), so buffers come from ``torch.empty`` there.
+    it (until its backward), or longer where the user keeps it. A buffer is lent again only
+    once nothing derived from its last loan exists (:class:`_LentBuffer`). Each channel keeps
+    buffers of its latest message size only, at most as many as it ever had in use at once
+    (the step's own peak; capped at :data:`MAX_POOLED`). Reusing saves the page faults of a
+    fresh allocation (see benchmarks/README.md, "Transfers beside compute"). On accelerators
+    the caching allocator already reuses memory (and knows the streams still using it), so
+    buffers come from ``torch.empty`` there.
     """
 
     MAX_POOLED = 64
 
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cpu" and hasattr(torch._C, "_storage_Use_Count")
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.enabled = enabled and device.type == "cpu"
         # per channel: the size of its last message and the buffers of that size (a new size
         # drops them, so variable shapes cannot pile up buffers of every size seen)
-        self.buffers: dict[tuple[Any, ...], tuple[int, list[torch.Tensor]]] = {}
-
-    @staticmethod
-    def _unused(buffer: torch.Tensor) -> bool:
-        # users of the storage: the pool's tensor and the temporary storage object of this call
-        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+        self.buffers: dict[tuple[Any, ...], tuple[int, list[_LentBuffer]]] = {}
 
     def get(self, slot: tuple[Any, ...], nbytes: int, device: torch.device) -> torch.Tensor:
         if not self.enabled:
@@ -322,12 +348,12 @@ class _ReceiveBuffers:
             pool = []
             self.buffers[slot] = (nbytes, pool)
         for buffer in pool:
-            if self._unused(buffer):
-                return buffer.view(-1)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if len(pool) < self.MAX_POOLED:
-            pool.append(buffer)
-        return buffer.view(-1)
+            if buffer.returned():
+                return buffer.lend()
+        if len(pool) >= self.MAX_POOLED:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pool.append(_LentBuffer(nbytes))
+        return pool[-1].lend()
 
 
 class _Origin(enum.Enum):
@@ -367,13 +393,18 @@ class MultiModuleCommunicator:
             dtypes, structure), as ``torch.distributed.pipelining`` and Megatron assume. Then a
             received buffer's header is not read where the payload is taken (on an accelerator
             that read is a host synchronisation per message): the headers of the step are
-            checked together by :meth:`check_deferred_headers`, one read per step. A sender
+            checked together by :meth:`finish_step`, one read per step. A sender
             whose spec changes raises :class:`~lightning_mmpp.errors.PipelineConfigError`
             before anything is posted. The first message of a channel still carries its spec.
+        reuse_receive_buffers: on CPU, receive into a buffer the channel used before once
+            nothing uses it any more (warm pages, see :class:`_ReceiveBuffers`); ``False``: a
+            fresh buffer per message, for comparison (``benchmarks/bench_overlap.py --receive-pool``);
+            settable later as :attr:`reuse_receive_buffers`.
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, device: torch.device,
-                 group: Optional[dist.ProcessGroup] = None, static_specs: bool = False) -> None:
+                 group: Optional[dist.ProcessGroup] = None, static_specs: bool = False,
+                 reuse_receive_buffers: bool = True) -> None:
         if not isinstance(static_specs, bool):
             raise PipelineConfigError(f"static_specs={static_specs!r}: give True or False.")
         if not isinstance(layout, PipelineLayout):
@@ -404,7 +435,7 @@ class MultiModuleCommunicator:
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str], torch.Tensor] = {}
-        self._recv_buffers = _ReceiveBuffers(self.device)
+        self._recv_buffers = _ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
         self.static_specs = static_specs
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
@@ -501,8 +532,9 @@ class MultiModuleCommunicator:
     def wait_sends(self) -> None:
         """Wait for the send works still in flight and free their buffers.
 
-        :meth:`exchange` calls it first thing; call it yourself at the end of a step or before the
-        process group is destroyed, so that no send is abandoned when a process exits.
+        :meth:`exchange` calls it first thing, :meth:`finish_step` at the end of a step; call it
+        yourself after exchanges outside a step, before the process group is destroyed, so that
+        no send is abandoned when a process exits.
         """
         pending, self._pending_sends = self._pending_sends, []
         for work, _buffer in pending:
@@ -513,14 +545,23 @@ class MultiModuleCommunicator:
         group, which must be able to close)."""
         self._pending_sends, self._inbox, self._open, self._deferred = [], {}, {}, []
 
-    def check_deferred_headers(self) -> None:
-        """With ``static_specs``: check the headers of every message taken unread since the last
-        call, with one host read for all of them (the runtime calls it at the end of a step).
+    def finish_step(self) -> None:
+        """End a step: check the headers of the messages taken unread (``static_specs``), wait
+        for the sends still in flight, and forget the forward specs kept for backward (channels
+        that carried no gradient, a forward-only step). The runtime calls it once at the end of
+        :meth:`~lightning_mmpp.engine.runtime.PipelineRuntime.run`.
 
         Raises:
-            RuntimeError: a header is not a data header of the expected message (the ranks
-                issued their exchanges in different orders, or a peer's spec changed).
+            ExchangeMismatchError: a header taken unread is not a data header of the expected
+                message (nothing is waited for or forgotten then).
         """
+        self._check_deferred_headers()
+        self.wait_sends()
+        self.discard_backward_state()
+
+    def _check_deferred_headers(self) -> None:
+        """With ``static_specs``: check the headers of every message taken unread since the last
+        call, with one host read for all of them."""
         if not self._deferred:
             return
         deferred, self._deferred = self._deferred, []
@@ -528,11 +569,21 @@ class MultiModuleCommunicator:
         for i, (key, peer, _) in enumerate(deferred):
             flag, tag = flat[2 * i], flat[2 * i + 1]
             if flag != FLAG_DATA or tag != message_tag(key):
-                raise RuntimeError(
+                raise ExchangeMismatchError(
                     f"rank {self.rank} took '{_describe(key)}' from rank {peer} unread (static_shapes) and its "
                     f"header says flag {flag}, tag {tag} (expected {FLAG_DATA}, {message_tag(key)}): the two ranks "
                     "exchanged different messages or in a different order, or the peer's payload changed."
                 )
+
+    @property
+    def reuse_receive_buffers(self) -> bool:
+        """Whether receives go into pooled buffers (CPU; see the constructor's argument). May be
+        changed between steps."""
+        return self._recv_buffers.enabled
+
+    @reuse_receive_buffers.setter
+    def reuse_receive_buffers(self, value: bool) -> None:
+        self._recv_buffers.enabled = bool(value) and self.device.type == "cpu"
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
@@ -572,25 +623,25 @@ class MultiModuleCommunicator:
 
     def _targets(self, key: MessageKey) -> tuple[StageSlot, list[BridgePeer]]:
         """This rank's slot of ``key.src_module`` and the peers its output goes to for ``key``."""
-        slot = self._slot(key.src_module)
-        peers = [peer for module, peer in self.layout.forward_targets(slot) if module == key.dst_module]
-        if not peers:
-            raise ValueError(
-                f"'{_describe(key)}': the output of rank {self.rank}'s stage {slot.stage} of {key.src_module!r} does not go "
-                f"to {key.dst_module!r}; its consumers are "
-                f"{self._distinct(self.layout.forward_targets(slot)) or 'none (last stage of a sink)'}."
-            )
-        return slot, sorted(peers, key=lambda p: p.chunk)
+        return self._peers(key, downstream=True)
 
     def _sources(self, key: MessageKey) -> tuple[StageSlot, list[BridgePeer]]:
         """This rank's slot of ``key.dst_module`` and the peers its input from ``key.src_module`` comes from."""
-        slot = self._slot(key.dst_module)
-        peers = [peer for module, peer in self.layout.forward_sources(slot) if module == key.src_module]
+        return self._peers(key, downstream=False)
+
+    def _peers(self, key: MessageKey, downstream: bool) -> tuple[StageSlot, list[BridgePeer]]:
+        """This rank's slot at one end of ``key``'s edge (``downstream``: the producing end) and
+        the peers at the other end, in chunk order."""
+        mine, theirs = (key.src_module, key.dst_module) if downstream else (key.dst_module, key.src_module)
+        slot = self._slot(mine)
+        edges = self.layout.forward_targets(slot) if downstream else self.layout.forward_sources(slot)
+        peers = [peer for module, peer in edges if module == theirs]
         if not peers:
+            what, verb, others, none = (("output", "go to", "consumers", "last stage of a sink") if downstream
+                                        else ("input", "come from", "producers", "first stage of a source"))
             raise ValueError(
-                f"'{_describe(key)}': the input of rank {self.rank}'s stage {slot.stage} of {key.dst_module!r} does not come "
-                f"from {key.src_module!r}; its producers are "
-                f"{self._distinct(self.layout.forward_sources(slot)) or 'none (first stage of a source)'}."
+                f"'{_describe(key)}': the {what} of rank {self.rank}'s stage {slot.stage} of {mine!r} does not {verb} "
+                f"{theirs!r}; its {others} are {self._distinct(edges) or f'none ({none})'}."
             )
         return slot, sorted(peers, key=lambda p: p.chunk)
 
@@ -858,7 +909,11 @@ class MultiModuleCommunicator:
             if view is not None:
                 values = flat[cursor : cursor + view.numel()]
                 cursor += view.numel()
-            msg.advance(values, self)
+            spec = msg.advance(values, self.rank)
+            if spec is not None:  # a forward channel's new spec, cached for its next messages
+                assert isinstance(msg, _ForwardIncoming)
+                self._recv_cache[msg.channel] = spec
+                self.stats.metadata_exchanges += 1
 
     # --- assembling received payloads --------------------------------------------------------
 

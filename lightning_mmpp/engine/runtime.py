@@ -43,7 +43,7 @@ from torch.autograd.graph import get_gradient_edge
 from lightning_mmpp.torch_api import tree_flatten, tree_map
 
 from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
-from lightning_mmpp.errors import PipelineConfigError, PipelineError
+from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError, PipelineError
 from lightning_mmpp.engine.failures import FailureBoard
 from lightning_mmpp.model.hooks import pipeline_loss_caller
 from lightning_mmpp.model.partition import StageRunner
@@ -81,11 +81,18 @@ class _NoGradientSync:
 
 
 class Communicator(Protocol):
+    """What the runtime needs from the communicator (see
+    :class:`~lightning_mmpp.engine.comm.MultiModuleCommunicator`)."""
+
     def exchange(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> dict[MessageKey, Any]: ...
 
     def post(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> None: ...
 
     def take(self, key: MessageKey) -> Any: ...
+
+    # the end of a step: deferred checks, sends still in flight, state kept for backwards; raises
+    # ExchangeMismatchError for messages that were not the expected ones
+    def finish_step(self) -> None: ...
 
 
 @dataclass
@@ -293,7 +300,7 @@ class PipelineRuntime:
     Args:
         layout: the placement.
         rank: this process's global rank.
-        comm: the communicator (anything with ``exchange``).
+        comm: the communicator (see :class:`Communicator`); :meth:`run` ends with its ``finish_step``.
         runners: the stage this rank holds of each module.
         hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
         no_backward_modules: modules that run no backward (see
@@ -383,11 +390,14 @@ class PipelineRuntime:
                 raise
         for module in finished:
             self.gradient_sync.after_last_backward(module)
-        try:  # static_specs: the headers of the messages taken unread, one host read per step
-            self.comm.check_deferred_headers()
-        except RuntimeError as err:
+        try:
+            self.comm.finish_step()
+        except ExchangeMismatchError as err:  # the messages themselves were wrong: the root cause
             self.failures.publish_exception(err, None)
             raise
+        except RuntimeError as err:  # a send still in flight failed: a peer failed, died or timed out
+            peers = {t.peer for a in actions if isinstance(a, Exchange) for t in a.sends}
+            raise self.failures.transport_failure(err, peers) from err
         assert not step.posted, f"receives posted and never consumed: {step.posted}"
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result

@@ -254,9 +254,8 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
         super().update_main_process_results(trainer, extra)
         if extra.get("fitted"):
             trainer.fit_loop.load_state_dict(torch.load(io.BytesIO(extra["fit_loop_bytes"]), weights_only=False))
-            call._call_callbacks_load_state_dict(
-                trainer, torch.load(io.BytesIO(extra["callbacks_bytes"]), weights_only=False)
-            )
+            states = torch.load(io.BytesIO(extra["callbacks_bytes"]), weights_only=False)
+            call._call_callbacks_load_state_dict(trainer, {"callbacks": states})  # it reads a checkpoint's key
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
         if trainer.checkpoint_callback and hasattr(trainer.checkpoint_callback, "best_model_path"):
