@@ -325,9 +325,7 @@ class PipelineEngine:
             result = self.runtime.run(
                 self.schedule(kind.forward_only, m, schedule), shard, keep_sink_outputs=predict,
                 compute_loss=not predict,
-            )
-            self.comm.wait_sends()
-            self.comm.discard_backward_state()  # specs of channels that carried no gradient
+            )  # ends with the communicator's finish_step: sends drained, headers checked
         return result
 
     @contextmanager
@@ -389,19 +387,18 @@ class PipelineEngine:
     # --- failure and teardown ----------------------------------------------------------------
 
     def abort(self, exception: BaseException) -> None:
-        """After a failure inside a step: close the process group so that peers waiting for this
-        rank's messages fail at once, and keep rank 0's failure board up until they have read the
-        root cause. No-op outside a step."""
-        if not self._in_step:
-            return
-        self._in_step = False
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        """After a failure: inside a step, close the process group so that peers waiting for this
+        rank's messages fail at once; and on rank 0, which serves the failure board, wait until
+        the peers that failed too have read the root cause (a failure between steps, in the
+        preemption agreement say, included), so that none of them finds the board gone."""
+        in_step, self._in_step = self._in_step, False
+        if in_step and self.world_size > 1 and dist.is_available() and dist.is_initialized():
             log.error("rank %d failed inside a pipeline step; closing the process group so peers stop", self.rank)
             self._groups = []
             self.tie_groups = {}
             drop_transfer_references(exception, self.comm)
             dist.destroy_process_group()
-            self.failures.linger()  # rank 0 serves the store: let peers read the root cause first
+        self.failures.linger()
 
     def close(self) -> None:
         """Write the trace (``trace_dir``), destroy the engine's process groups, remove gradient

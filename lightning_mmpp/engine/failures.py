@@ -144,6 +144,7 @@ class FailureBoard:
         self._address: Optional[tuple[str, int]] = None
         self._prefix = "mmpp/failures/none/"
         self.failed = False
+        self._lingered = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -157,8 +158,10 @@ class FailureBoard:
         """
         import torch.distributed as dist
 
-        self.failed = False
         from lightning_mmpp.torch_api import default_store
+
+        self.failed = False
+        self._lingered = False
 
         base = default_store()
         if base is None or self.world_size == 1:
@@ -227,6 +230,14 @@ class FailureBoard:
 
     def _ack(self) -> None:
         self._store.set(self._prefix + f"ack/{self.rank}", "1")
+
+    def done_reading(self) -> None:
+        """Tell rank 0 that this rank needs the board no more (see :meth:`linger`)."""
+        if self._store is not None:
+            try:
+                self._done()
+            except Exception:  # noqa: BLE001 - the board is gone: nothing to tell
+                pass
 
     def _done(self) -> None:
         """This rank has read (or written) the root cause and needs the board no more."""
@@ -323,8 +334,9 @@ class FailureBoard:
         """On the rank that serves the store (rank 0), wait until every other rank has read
         the root cause (or ``timeout_s``), so none of them finds the store gone and blames rank
         0. (An ack alone is not enough: a rank acks before it reads.)"""
-        if self._store is None or self.rank != 0 or not self.failed:
+        if self._store is None or self.rank != 0 or not self.failed or self._lingered:
             return
+        self._lingered = True  # once per failure, however many layers see it
         keys = [self._prefix + f"done/{r}" for r in range(1, self.world_size)]
         deadline = time.monotonic() + timeout_s
         try:
@@ -385,6 +397,7 @@ def raise_if_loss_not_finite(board: FailureBoard, loss: Any, sink_losses: dict[t
         report = board.report(FailureKind.NON_FINITE_LOSS, message=f"step loss is {float(loss)}")
         report = FailureReport(-1, "all ranks", report.kind, "", report.message, report.step, None, report.phase)
     board.failed = True
+    board.done_reading()  # every rank raises this same error: none needs rank 0's board afterwards
     raise PipelineError(
         f"{report.describe()}. The step's loss is {float(loss)}; stopping every rank before the optimizer step "
         "(lower the learning rate, clip gradients or check the inputs of that microbatch).",
