@@ -21,8 +21,9 @@ CONFIG = os.path.join(ROOT, "examples", "cli_multimodal.yaml")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
-def test_config_gives_the_layout_of_train_multimodal():
+def test_config_gives_the_layout_of_train_multimodal(monkeypatch):
     """The YAML's plain mappings become ModulePlacements: the layout of examples/train_multimodal.py."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # the config's seed_everything sets it: unset again afterwards
     import cli_multimodal
     import train_multimodal
     from lightning.pytorch.cli import LightningCLI
