@@ -26,13 +26,14 @@ from typing import Any, Optional
 import lightning as L
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_multimodal, wherever this runs from
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling examples, wherever this runs from
 
-from train_multimodal import SyntheticCaptions, VisionAudioLM  # noqa: E402
+from multimodal_model import SyntheticCaptions  # noqa: E402
+from train_multimodal import VisionAudioLM  # noqa: E402
 
 
 class SyntheticCaptionsData(L.LightningDataModule):
-    """The synthetic captions of ``train_multimodal.py`` (an image quadrant and a tone pitch, spelled as tokens).
+    """The synthetic captions of ``multimodal_model.py`` (an image quadrant and a tone pitch, spelled as tokens).
 
     Args:
         size: samples in the training set.

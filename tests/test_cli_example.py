@@ -25,6 +25,7 @@ def test_config_gives_the_layout_of_train_multimodal(monkeypatch):
     """The YAML's plain mappings become ModulePlacements: the layout of examples/train_multimodal.py."""
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # the config's seed_everything sets it: unset again afterwards
     import cli_multimodal
+    import multimodal_model
     import train_multimodal
     from lightning.pytorch.cli import LightningCLI
 
@@ -36,7 +37,7 @@ def test_config_gives_the_layout_of_train_multimodal(monkeypatch):
     assert isinstance(strategy, MultiModulePipelineStrategy)
     placements = strategy.layout.placements
     assert all(isinstance(p, ModulePlacement) for p in placements.values()), placements
-    assert dict(placements) == dict(train_multimodal.PLACEMENTS)
+    assert dict(placements) == dict(multimodal_model.PLACEMENTS)
     assert strategy.layout.world_size == cli.trainer.num_devices == 5
     assert strategy.num_microbatches == 4
 
