@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"])
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Train a small LLaVA-style vision-language model built from real parts, loaded from pretrained files.
 
-    pip install -e .[examples]        # safetensors, transformers (scripts/install.sh examples)
-    python examples/train_vlm.py      # 3 CPU processes, a few minutes at the default size
+    pip install -e ".[examples]"      # safetensors, transformers (scripts/install.sh examples)
+    python examples/train_vlm.py      # 3 CPU processes, about 20 s on 2 cores at the default size
     python examples/train_vlm.py --width 512 --layers 8 --precision bf16-mixed
 
 Layout (gloo on CPU, NCCL on GPUs):
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -353,7 +354,8 @@ def main(argv: Optional[list[str]] = None) -> list[float]:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed"')
-    parser.add_argument("--weights-dir", default="vlm_weights", help="where the pretrained files are written once")
+    parser.add_argument("--weights-dir", default=os.path.join(tempfile.gettempdir(), "lightning_mmpp_vlm_weights"),
+                        help="where the pretrained files are written once and then reused (default: %(default)s)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--untied", action="store_true", help="separate input embedding and output head")
     args = parser.parse_args(argv)

@@ -259,7 +259,8 @@ def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
     path = tmp_path / "w.safetensors"
     path.write_bytes(b"")
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(PipelineConfigError, match=r"pip install 'lightning_mmpp\[safetensors\]'"):
+    fix = r"pip install safetensors \(in a clone of lightning_mmpp: pip install -e '\.\[safetensors\]'\)"
+    with pytest.raises(PipelineConfigError, match=fix):
         load_pretrained(materialize(_meta_model(), seed=0), {"llm": str(path)})
 
 

@@ -3,7 +3,7 @@
 A source is one of
 
 - a ``.safetensors`` file (needs the optional ``safetensors`` package:
-  ``pip install lightning_mmpp[safetensors]``), read tensor by tensor;
+  ``pip install safetensors``, or ``pip install -e ".[safetensors]"`` in a clone), read tensor by tensor;
 - a torch state-dict file (``torch.save``; loaded with ``weights_only=True, mmap=True``, so
   only the bytes of the tensors used are read). A Lightning checkpoint file (a dict with a
   ``"state_dict"``, such as this project's export) counts as one, keyed by full model names;
@@ -132,7 +132,7 @@ def _safetensors() -> Any:
     except ImportError as err:
         raise PipelineConfigError(
             "reading .safetensors weights needs the optional package 'safetensors': "
-            "pip install 'lightning_mmpp[safetensors]' (or pip install safetensors)."
+            "pip install safetensors (in a clone of lightning_mmpp: pip install -e '.[safetensors]')."
         ) from err
     return safetensors
 
