@@ -104,6 +104,7 @@ def _check(per_rank, reference, schedules=SCHEDULES):
         seen: dict[str, torch.Tensor] = {}
         for rank, result in enumerate(per_rank):
             for name, value in result[schedule].items():
+                value = value.cpu()  # on CUDA the reference comes back on the CPU (Lightning's teardown)
                 torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{schedule} {name}")
                 if name in seen:  # dp replicas hold identical parameters
                     assert torch.equal(seen[name], value), f"{schedule}: replicas differ on {name}"

@@ -50,7 +50,7 @@ from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
 from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options
-from lightning_mmpp.engine.tied import counts_in_norm, sum_tied_gradients, tie_groups
+from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction
@@ -192,6 +192,9 @@ class PipelineEngine:
         if convert_module is not None:
             convert_module(model)
         model.to(self.device)
+        self.tie_groups = tie_groups(layout, self.partition.tied, timeout) if self.world_size > 1 else {}
+        self._groups += list(self.tie_groups.values())
+        self._agree_initial_values()
         self.sharded = apply_memory_options(
             layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers
         )
@@ -205,8 +208,6 @@ class PipelineEngine:
             counted_elsewhere=counted_elsewhere, sharded=self.sharded,
             launch_in_backward=self.device.type != "cpu" if launch_in_backward is None else launch_in_backward,
         )
-        self.tie_groups = tie_groups(layout, self.partition.tied, timeout) if self.world_size > 1 else {}
-        self._groups += list(self.tie_groups.values())
         self.batches = BatchSplitter(layout, self.rank, num_microbatches)
         self.metrics = MetricReducer(self.world_size, self.device)
         self.predictions = SinkOutputGatherer(layout, self.rank, self.device, self.world_size)
@@ -245,6 +246,25 @@ class PipelineEngine:
         read = build_own_stages(model, plan, self.device, seed or 0, partition.tied)
         _PARTITIONED[model] = (self.layout, self.rank, partition)
         return partition, read
+
+    @torch.no_grad()
+    def _agree_initial_values(self) -> None:
+        """Every copy of a parameter starts equal: the dp replicas of a stage take their first
+        replica's parameters and buffers (as DDP does when it wraps a model), the copies of a
+        parameter tied across ranks its first owner's. A process that built its own random
+        weights (no common seed) would otherwise train a diverging replica without a word."""
+        if self.world_size == 1:
+            return
+        for module, runner in self.partition.runners.items():
+            ranks = self.layout.dp_group(module, runner.stage)
+            if len(ranks) > 1:
+                for layer in runner.layers:
+                    for tensor in [*layer.parameters(), *layer.buffers()]:
+                        dist.broadcast(tensor, src=ranks[0], group=self.dp_groups[ranks])
+        for tie in self.partition.tied:
+            ranks = owner_ranks(self.layout, tie)
+            if ranks in self.tie_groups and tie.local is not None:
+                dist.broadcast(tie.local, src=ranks[0], group=self.tie_groups[ranks])
 
     def _broadcast_seed(self) -> int:
         """Rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed), the same on every rank."""

@@ -1,0 +1,64 @@
+"""PipelineEngine without Lightning: construction agrees on initial weights, one step of every kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mmpp import ModulePlacement as P
+from lightning_mmpp import PipelineConfigError, PipelineEngine, PipelineLayout, StepKind
+from tests.dist import rank_device, run_distributed
+from tests.models import MultiModalModel, make_loader
+
+TOPOLOGY = {"enc_a": ["llm"], "llm": []}
+
+
+def _replicas_built_apart(rank: int, world: int) -> dict:
+    model = MultiModalModel(TOPOLOGY)  # seeds itself: draw each rank's own weights on top
+    torch.manual_seed(100 + rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    layout = PipelineLayout({"enc_a": P(dp=2), "llm": P(pp=2, dp=2)}, TOPOLOGY)
+    engine = PipelineEngine(model, layout, num_microbatches=2, device=rank_device(rank))
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if id(p) in
+               {id(q) for q in engine.parameters()}}
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    batch = next(iter(make_loader(TOPOLOGY, 8, 8)))
+    out = engine.step(batch)
+    optimizer.step()
+    evaluated = engine.step(batch, "val")
+    predicted = engine.step(batch, StepKind.PREDICT)
+    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n in initial}
+    engine.close()
+    return {"initial": initial, "final": final, "loss": float(out.loss), "val": float(evaluated.loss),
+            "predicted": None if predicted.predictions is None else tuple(predicted.predictions.shape)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_dp_replicas_start_equal_and_every_step_kind_runs():
+    per_rank = run_distributed(_replicas_built_apart, 6, timeout=100)
+    replicas = {0: [0, 1], 2: [2, 3], 4: [4, 5]}  # enc_a dp=2; llm stage 0 dp=2; llm stage 1 dp=2
+    for first, group in replicas.items():
+        for rank in group[1:]:
+            for name, value in per_rank[rank]["initial"].items():
+                assert torch.equal(value, per_rank[first]["initial"][name]), (rank, name)
+                assert torch.equal(per_rank[rank]["final"][name], per_rank[first]["final"][name]), (rank, name)
+    assert len({r["loss"] for r in per_rank}) == 1 and len({r["val"] for r in per_rank}) == 1
+    assert {r["predicted"] for r in per_rank} == {(8, 3, 11)}  # the sink output of the whole batch, everywhere
+
+
+def test_engine_errors_name_the_fix():
+    layout = PipelineLayout({"enc_a": P(), "llm": P(pp=2)}, TOPOLOGY)  # 3 ranks, no process group
+    with pytest.raises(PipelineConfigError, match="need 3 ranks"):
+        PipelineEngine(MultiModalModel(TOPOLOGY), layout, 2)
+    colocated = PipelineLayout({"enc_a": P(rank_offset=0), "llm": P(rank_offset=0)}, TOPOLOGY)
+    with pytest.raises(PipelineConfigError, match="schedule"):
+        PipelineEngine(MultiModalModel(TOPOLOGY), colocated, 2, schedule="zb")
+    with pytest.raises(PipelineConfigError, match="not placed modules"):
+        PipelineEngine(MultiModalModel(TOPOLOGY), colocated, 2, pretrained={"vision": "x.safetensors"})
+    engine = PipelineEngine(MultiModalModel(TOPOLOGY), colocated, 2)
+    with pytest.raises(PipelineConfigError, match="step kind"):
+        engine.step(next(iter(make_loader(TOPOLOGY, 4, 4))), "eval")
+    engine.close()
