@@ -7,7 +7,7 @@ import torch
 
 from lightning_mmpp import ModulePlacement as P
 from lightning_mmpp import PipelineConfigError, PipelineEngine, PipelineLayout, StepKind
-from tests.dist import rank_device, run_distributed
+from tests.dist import rank_device, require_ranks, run_distributed
 from tests.models import MultiModalModel, make_loader
 
 TOPOLOGY = {"enc_a": ["llm"], "llm": []}
@@ -38,6 +38,7 @@ def _replicas_built_apart(rank: int, world: int) -> dict:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_dp_replicas_start_equal_and_every_step_kind_runs():
+    require_ranks(6)
     per_rank = run_distributed(_replicas_built_apart, 6, timeout=100)
     replicas = {0: [0, 1], 2: [2, 3], 4: [4, 5]}  # enc_a dp=2; llm stage 0 dp=2; llm stage 1 dp=2
     for first, group in replicas.items():
