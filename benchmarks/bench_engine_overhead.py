@@ -7,9 +7,10 @@ One process, every module colocated on rank 0 (``ModulePlacement(rank_offset=0)`
 is sent: what the engine adds over ``loss.backward()`` is its own work per step (batch
 splitting, the schedule's actions, stashing, metric reduction) and per microbatch. Both run the
 same model (two encoders -> an LM of ``--layers`` MLP blocks of ``--width``), the same batches
-and AdamW; the table gives the median step time of each, their ratio, and the peak memory
-(``torch.cuda.max_memory_allocated`` on CUDA; on CPU the process's peak RSS only grows, so
-the column is left out there) next to the parameter + gradient + Adam bytes. The two variants alternate round by round, so a slow spell of the machine
+and AdamW; the table gives the median step time of each, their ratio, and the peak memory of
+its first two steps above what was allocated before them (``torch.cuda.max_memory_allocated``
+minus ``memory_allocated``: gradients, AdamW state, activations; on CPU the process's peak RSS
+only grows, so the column is left out there) next to the parameter + gradient + Adam bytes. The two variants alternate round by round, so a slow spell of the machine
 hits both alike.
 """
 
@@ -93,10 +94,10 @@ def main() -> None:
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
 
     def plain_step() -> None:
-        plain_opt.zero_grad(set_to_none=True)
         loss, _ = run_unpipelined(plain, TOPOLOGY, batch)
         loss.backward()
         plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)  # no gradient stays resident between variants
 
     runs["plain loop"] = plain_step
     layout = PipelineLayout({m: ModulePlacement(rank_offset=0) for m in TOPOLOGY}, TOPOLOGY)
@@ -108,23 +109,24 @@ def main() -> None:
         engines.append(engine)
 
         def engine_step(engine: PipelineEngine = engine, optimizer: Any = optimizer) -> None:
-            optimizer.zero_grad(set_to_none=True)
             engine.step(batch)
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
         runs[f"PipelineEngine m={m}"] = engine_step
 
     params = sum(p.numel() * p.element_size() for p in plain.parameters())
     times: dict[str, list[float]] = {name: [] for name in runs}
     peaks: dict[str, int] = {}
-    for name, fn in runs.items():  # warm-up, and each variant's peak on its own
+    for name, fn in runs.items():  # warm-up, and each variant's peak above what was allocated before it
+        sync()
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        before = peak_bytes(device)
         fn()
         fn()
         sync()
-        peaks[name] = peak_bytes(device) - (0 if device.type == "cuda" else before)
+        peaks[name] = peak_bytes(device) - before
     for _ in range(args.rounds):
         for name, fn in runs.items():
             sync()
@@ -139,7 +141,8 @@ def main() -> None:
           f"--layers {args.layers} --batch {args.batch} --seq {args.seq}  ({name}, torch {torch.__version__})")
     print(f"model: {params / 2**20:.0f} MiB of fp32 parameters; params + grads + AdamW = {4 * params / 2**30:.2f} GiB")
     base = statistics.median(times["plain loop"])
-    print(f"{'variant':>22}  {'step ms':>8}  {'/ plain':>7}  {'peak GiB':>8}")
+    print(f"{'variant':>22}  {'step ms':>8}  {'/ plain':>7}  {'peak GiB':>8}  (peak: above the allocations before "
+          "the variant's first step, i.e. gradients, AdamW state and activations)")
     for name, values in times.items():
         med = statistics.median(values)
         peak = f"{peaks[name] / 2**30:8.2f}" if device.type == "cuda" else f"{'-':>8}"
