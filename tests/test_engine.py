@@ -63,3 +63,25 @@ def test_engine_errors_name_the_fix():
     with pytest.raises(PipelineConfigError, match="step kind"):
         engine.step(next(iter(make_loader(TOPOLOGY, 4, 4))), "eval")
     engine.close()
+
+
+def _static_train_eval_train(rank: int, world: int) -> tuple[float, float, float]:
+    layout = PipelineLayout({"enc_a": P(), "llm": P(pp=2)}, TOPOLOGY)
+    engine = PipelineEngine(MultiModalModel(TOPOLOGY), layout, 2, static_shapes=True, device=rank_device(rank))
+    batch = next(iter(make_loader(TOPOLOGY, 8, 8)))
+    first = float(engine.step(batch).loss)
+    with torch.no_grad():  # activations without requires_grad: other specs than training's
+        evaluated = float(engine.step(batch, "val").loss)
+    again = float(engine.step(batch).loss)
+    engine.close()
+    return first, evaluated, again
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_static_shapes_hold_per_kind_of_step():
+    """``static_shapes=True`` promises fixed shapes per kind of step: an evaluation step between
+    training steps (no grad: its activations do not require grad) keeps its own channel specs."""
+    require_ranks(3)
+    per_rank = run_distributed(_static_train_eval_train, 3, timeout=100)
+    assert len(set(per_rank)) == 1 and per_rank[0][0] == per_rank[0][1] == per_rank[0][2], per_rank

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, run_unpipelined
 from tests.dist import require_ranks, run_distributed, test_accelerator
 from tests.models import MultiModalModel, make_loader
 
@@ -96,6 +96,10 @@ def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip
         trainer.fit(model, make_loader(topology, batch_size, batch_size * STEPS))
         out[schedule] = final.values
         out[f"{schedule}_loss"] = float(trainer.callback_metrics["train_loss"])
+        if static_shapes:  # a forward-only step after training: its messages carry other specs
+            trainer.limit_val_batches = 1.0
+            out[f"{schedule}_val"] = trainer.validate(model, make_loader(topology, batch_size, 2 * batch_size),
+                                                      verbose=False)[0]["val_loss"]
     return out
 
 
@@ -150,6 +154,14 @@ def test_static_shapes_match_single_process(layout):
     per_rank = run_distributed(_pipelined, world, topology, placements, m, batch_size, "adam", 0.05, SCHEDULES, (),
                                True, timeout=180, init_pg=False)
     _check(per_rank, reference)
+    model = MultiModalModel(topology)  # validation of the trained weights, on one process
+    model.load_state_dict(reference, strict=False)
+    with torch.no_grad():
+        expected = sum(float(run_unpipelined(model, batch)[0]) for batch in make_loader(topology, batch_size,
+                                                                                       2 * batch_size)) / 2
+    for schedule in SCHEDULES:
+        for result in per_rank:
+            assert abs(result[f"{schedule}_val"] - expected) <= 1e-4 * abs(expected), (schedule, expected, result)
 
 
 @pytest.mark.timeout(300)

@@ -121,8 +121,11 @@ class CommStats:
         return asdict(self)
 
 
-# (src rank, dst rank, src module, dst module): a forward channel; its spec is cached at both ends.
-_Channel = tuple[int, int, str, str]
+# (src rank, dst rank, src module, dst module, training step): a forward channel; its spec is
+# cached at both ends. Training and forward-only steps keep apart caches: a training step's
+# activations require grad, an evaluation step's do not, so alternating steps do not re-send
+# specs, and a ``static_specs`` promise holds per kind of step.
+_Channel = tuple[int, int, str, str, bool]
 
 
 def _order(key: MessageKey, sender: int, receiver: int) -> tuple[Any, ...]:
@@ -421,6 +424,7 @@ class MultiModuleCommunicator:
         self.device = torch.device(device)
         self.group = group
         self.stats = CommStats()
+        self._training = True  # the kind of the step under way (see begin_step)
         self._send_cache: dict[_Channel, PayloadSpec] = {}
         self._recv_cache: dict[_Channel, PayloadSpec] = {}
         # Forward state kept for the backward of the same microbatch, keyed by MessageKey.edge.
@@ -544,6 +548,12 @@ class MultiModuleCommunicator:
         """Forget every send and receive in flight (after a failure: the works hold the process
         group, which must be able to close)."""
         self._pending_sends, self._inbox, self._open, self._deferred = [], {}, {}, []
+
+    def begin_step(self, training: bool) -> None:
+        """Start a step: ``training`` (backwards follow) or forward-only. The runtime calls it
+        once at the start of :meth:`~lightning_mmpp.engine.runtime.PipelineRuntime.run`; every
+        rank runs the same kind of step, so both ends of a channel use the same spec cache."""
+        self._training = training
 
     def finish_step(self) -> None:
         """End a step: check the headers of the messages taken unread (``static_specs``), wait
@@ -676,7 +686,7 @@ class MultiModuleCommunicator:
                 continue
             tensors = [leaves[i] for i in spec.data_layout.indices]
             parts: list[torch.Tensor] = []
-            channel = (self.rank, peer.rank, key.src_module, key.dst_module)
+            channel = (self.rank, peer.rank, key.src_module, key.dst_module, self._training)
             cached = self._send_cache.get(channel)
             if cached != spec:
                 if cached is not None and self.static_specs:
@@ -787,7 +797,7 @@ class MultiModuleCommunicator:
             if peer.rank == self.rank:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
                 continue
-            channel = (peer.rank, self.rank, key.src_module, key.dst_module)
+            channel = (peer.rank, self.rank, key.src_module, key.dst_module, self._training)
             msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), channel,
                                    self._recv_cache.get(channel))
             sources.append((peer, (_Origin.REMOTE, msg)))

@@ -90,6 +90,9 @@ class Communicator(Protocol):
 
     def take(self, key: MessageKey) -> Any: ...
 
+    # the start of a step: training (backwards follow) or forward-only, the same on every rank
+    def begin_step(self, training: bool) -> None: ...
+
     # the end of a step: deferred checks, sends still in flight, state kept for backwards; raises
     # ExchangeMismatchError for messages that were not the expected ones
     def finish_step(self) -> None: ...
@@ -356,6 +359,7 @@ class PipelineRuntime:
             compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
         """
         actions = schedule.for_rank(self.rank)
+        self.comm.begin_step(not schedule.forward_only)
         split = {a.module for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
         step = _StepState(
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
