@@ -184,6 +184,7 @@ class PipelineEngine:
         self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
         if self.world_size > 1:
             dist.barrier()  # NCCL wants one collective before the first batched P2P
+        built_here = not is_partitioned(model)  # else an earlier engine built (and agreed on) the stages
         self.partition, self.pretrained_keys_read = self._partition(model, dict(pretrained or {}), seed)
         owned = self.partition.owned_parameter_ids
         for optimizer in optimizers:
@@ -194,7 +195,8 @@ class PipelineEngine:
         model.to(self.device)
         self.tie_groups = tie_groups(layout, self.partition.tied, timeout) if self.world_size > 1 else {}
         self._groups += list(self.tie_groups.values())
-        self._agree_initial_values()
+        if built_here:
+            self._agree_initial_values()
         self.sharded = apply_memory_options(
             layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers
         )
