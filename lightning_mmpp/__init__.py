@@ -26,6 +26,7 @@ __all__ = [
     "PipelineEngine",
     "PipelineLayout",
     "PretrainedWeights",
+    "Ragged",
     "StepKind",
     "StageSlot",
     "export_checkpoint",
@@ -60,6 +61,10 @@ def __getattr__(name: str) -> Any:
         from lightning_mmpp.model.pretrained import PretrainedWeights
 
         return PretrainedWeights
+    if name == "Ragged":
+        from lightning_mmpp.model.ragged import Ragged
+
+        return Ragged
     if name == "export_checkpoint":
         from lightning_mmpp.state.checkpoint import export_checkpoint
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch.utils._pytree import (
+    GetAttrKey,
     LeafSpec,
+    MappingKey,
+    SequenceKey,
     TreeSpec,
     keystr,
+    register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
     tree_leaves,
@@ -26,10 +30,14 @@ from torch.utils._pytree import (
 )
 
 __all__ = [
+    "GetAttrKey",
     "LeafSpec",
+    "MappingKey",
+    "SequenceKey",
     "TreeSpec",
     "default_store",
     "keystr",
+    "register_pytree_node",
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_leaves",

@@ -11,7 +11,9 @@ Bridges: on a DAG edge ``u -> d`` the last stage of ``u`` feeds the first stage 
 With ``dp_u == dp_d`` replica j feeds replica j. With ``dp_u = r * dp_d`` (fan-in) replicas
 ``j*r .. j*r+r-1`` of ``u`` feed replica j of ``d``, concatenated in replica order. With
 ``dp_d = r * dp_u`` (fan-out) replica i of ``u`` is split into r contiguous chunks, chunk c
-going to replica ``i*r + c`` of ``d``.
+going to replica ``i*r + c`` of ``d``. When one end has ``balance="items"`` the bridge is
+*routed*: every replica of ``u`` connects to every replica of ``d`` and, per microbatch, sends
+each the samples both hold (possibly none).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from typing import Optional
 from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.topology import ModuleTopology, StageNumbering
+
+
+BALANCE_CHOICES = ("samples", "items")
+"""``ModulePlacement.balance``: equal shards by sample index, or shards balanced by item count."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,14 @@ class ModulePlacement:
             replicas with FSDP2 (:mod:`lightning_mmpp.engine.sharding`); needs ``dp >= 2``.
         recompute: run each layer under activation checkpointing, so an in-flight microbatch
             keeps only its layer inputs; the layers run their forward again in the backward.
+        balance: how a microbatch's samples are assigned to the module's dp replicas:
+            ``"samples"`` (equal contiguous shards, replica j taking shard j) or ``"items"``
+            (contiguous shards balanced by the item counts of the batch's ``Ragged`` fields, so
+            that a replica is not handed most of the images; see
+            :func:`~lightning_mmpp.core.balance.item_bounds`). With ``"items"`` the bridges into
+            and out of the module connect every replica with every replica of its neighbours and
+            route each sample to the replica that holds it; results are unchanged. Not for a
+            sink (its replicas average equal shares of the loss).
     """
 
     pp: int = 1
@@ -56,8 +70,14 @@ class ModulePlacement:
     batch_dim: int = 0
     shard: bool = False
     recompute: bool = False
+    balance: str = "samples"
 
     def __post_init__(self) -> None:
+        if self.balance not in BALANCE_CHOICES:
+            raise PipelineConfigError(
+                f"ModulePlacement(balance={self.balance!r}): give one of {list(BALANCE_CHOICES)} (\"items\" assigns "
+                "a ragged module's samples to its replicas by item count)."
+            )
         for name in ("shard", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise PipelineConfigError(f"ModulePlacement({name}={getattr(self, name)!r}): {name} must be True or False.")
@@ -178,6 +198,7 @@ class PipelineLayout:
         self.world_size = max(self.offsets[m] + p.size for m, p in self.placements.items())
         self._slots = self._build_slots()
         self._check_bridges()
+        self._check_balance()
         self.numbering: StageNumbering = self.topology.stage_numbering({m: p.pp for m, p in self.placements.items()})
 
     # --- construction ----------------------------------------------------------------------
@@ -204,7 +225,26 @@ class PipelineLayout:
                     f"{dd * max(1, du // dd)} or {down!r} dp={du})."
                 )
 
+    def _check_balance(self) -> None:
+        for module in self.topology.sinks:
+            if self.placements[module].balance != "samples":
+                raise PipelineConfigError(
+                    f"ModulePlacement(balance={self.placements[module].balance!r}) on {module!r}, a sink: the loss "
+                    "module's replicas each take an equal share of the batch (the step's loss averages them); "
+                    "use balance=\"items\" on the modules that consume the ragged items (the encoders)."
+                )
+
     # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def balanced_modules(self) -> frozenset[str]:
+        """Modules whose replicas take samples by item count (``balance="items"``, ``dp > 1``)."""
+        return frozenset(m for m, p in self.placements.items() if p.balance == "items" and p.dp > 1)
+
+    def routed(self, up: str, down: str) -> bool:
+        """Whether the bridge ``up -> down`` routes samples by a per-microbatch assignment (one end
+        is balanced by items): every replica of one end then connects to every replica of the other."""
+        return bool({up, down} & self.balanced_modules)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -315,10 +355,13 @@ class PipelineLayout:
 
         Seen from the end with more replicas, ``ratio`` of them share one peer, and this one is
         chunk ``replica % ratio`` of it; seen from the end with fewer, the peers are ``ratio``
-        consecutive replicas, chunks ``0 .. ratio-1``.
+        consecutive replicas, chunks ``0 .. ratio-1``. On a routed bridge (:meth:`routed`) the
+        peers are all replicas of ``other``, chunk ``c`` being replica ``c``.
         """
         stage = 0 if downstream else self.placements[other].pp - 1
         mine, theirs = self.placements[module].dp, self.placements[other].dp
+        if self.routed(module, other):  # every replica: chunk c = the other end's replica c
+            return tuple(BridgePeer(self.rank_of(other, stage, c), c, theirs) for c in range(theirs))
         if mine >= theirs:
             ratio = mine // theirs
             return (BridgePeer(self.rank_of(other, stage, replica // ratio), replica % ratio, ratio),)

@@ -76,12 +76,14 @@ from lightning_mmpp.engine.payload import (
     PayloadSpec,
     concat_payloads,
     flatten_payload,
+    leaf_batch_dims,
     pack,
     pack_header,
     split_payload,
     unpack,
 )
 from lightning_mmpp.core.placement import BridgePeer, PipelineLayout, StageSlot
+from lightning_mmpp.engine.microbatch import SampleRouting
 
 __all__ = ["BACKWARD", "FORWARD", "CommStats", "Direction", "MessageKey", "MultiModuleCommunicator", "message_tag"]
 
@@ -432,7 +434,8 @@ class MultiModuleCommunicator:
         self._received: dict[tuple[str, str, int], tuple[PayloadSpec, list[_PeerState]]] = {}
         # Same-rank handovers waiting to be picked up (a same-rank peer is never a fan-in/out).
         self._mailbox: dict[MessageKey, Any] = {}
-        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+        # (work, buffer, whether it is a later round of a changed spec's message)
+        self._pending_sends: list[tuple[Any, Optional[torch.Tensor], bool]] = []
         # Receives posted and not taken: key -> (its sources, the groups its remote parts are in).
         self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[_Group]]] = {}
         self._open: dict[int, _Group] = {}  # peer -> its posted group not yet complete
@@ -444,6 +447,8 @@ class MultiModuleCommunicator:
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
         self._packed: set[tuple[int, Direction, str, str]] = set()
+        # which samples every replica holds in this step's microbatches (bridges routed by item count)
+        self.routing: Optional[SampleRouting] = None
 
     # --- public API ----------------------------------------------------------------------
 
@@ -481,7 +486,7 @@ class MultiModuleCommunicator:
         self._packed = set()
         # The previous post's sends first: on gloo, sends left in flight compete for the link and
         # the cores with the transfer the next compute waits for (measured: benchmarks/bench_overlap.py).
-        self.wait_sends()
+        self._wait_sends(keep_later_rounds=True)
         # A peer's earlier group must be whole first: its messages may carry the spec this
         # batch's receives are planned with, and nothing later from that peer may be posted
         # while parts of it are still to come.
@@ -540,9 +545,20 @@ class MultiModuleCommunicator:
         yourself after exchanges outside a step, before the process group is destroyed, so that
         no send is abandoned when a process exits.
         """
+        self._wait_sends(keep_later_rounds=False)
+
+    def _wait_sends(self, keep_later_rounds: bool) -> None:
+        """Wait for the sends in flight; with ``keep_later_rounds``, leave those of a changed
+        spec's later rounds in flight: their receives are posted only when the receiver completes
+        the message (at its take, or before it posts anything more from this rank), and waiting for
+        them here would deadlock two ranks that each sent the other a changed spec (ragged
+        payloads change shape every microbatch). Their buffers are not packed into again meanwhile."""
         pending, self._pending_sends = self._pending_sends, []
-        for work, _buffer in pending:
-            work.wait()
+        for work, buffer, later in pending:
+            if later and keep_later_rounds:
+                self._pending_sends.append((work, buffer, later))
+            else:
+                work.wait()
 
     def drop_transfers(self) -> None:
         """Forget every send and receive in flight (after a failure: the works hold the process
@@ -663,6 +679,18 @@ class MultiModuleCommunicator:
     def _batch_dim(self, key: MessageKey) -> int:
         return self.layout.placements[key.src_module].batch_dim
 
+    def _routed_sizes(self, key: MessageKey, slot: StageSlot) -> Optional[list[int]]:
+        """On a routed bridge (``balance="items"`` at one end): the samples this replica sends to
+        each replica of ``key.dst_module`` in this microbatch; ``None`` on an ordinary bridge."""
+        if not self.layout.routed(key.src_module, key.dst_module):
+            return None
+        if self.routing is None:
+            raise RuntimeError(
+                f"rank {self.rank}: '{_describe(key)}' crosses a bridge routed by item count but no sample routing "
+                "was set; set comm.routing (BatchSplitter.routing) for the step before exchanging."
+            )
+        return self.routing.piece_sizes(key.src_module, key.dst_module, slot.replica, True, key.microbatch)
+
     def _plan_forward_send(self, key: MessageKey, payload: Any, outgoing: list[_Outgoing]) -> None:
         slot, peers = self._targets(key)
         where = f"module {key.src_module!r} stage {slot.stage} output (to {key.dst_module!r})"
@@ -671,7 +699,8 @@ class MultiModuleCommunicator:
         # BridgePeer also has num_chunks > 1: our position in its concatenation; no split.)
         chunks: list[Any] = []
         if len(peers) > 1:
-            chunks = split_payload(payload, len(peers), self._batch_dim(key), self._bridge_context(key, "fan-out"))
+            chunks = split_payload(payload, len(peers), self._batch_dim(key), self._bridge_context(key, "fan-out"),
+                                   sizes=self._routed_sizes(key, slot))
         states: list[_PeerState] = []
         for peer in peers:
             leaves, spec = flatten_payload(chunks[peer.chunk], where) if chunks else flat
@@ -743,16 +772,21 @@ class MultiModuleCommunicator:
                 )
             else:
                 full.append(grad.detach().to(meta.dtype))
-        dim = self._batch_dim(key)
-        start = 0
+        dims = leaf_batch_dims(combined, self._batch_dim(key))
+        starts = [0] * len(full)
         for peer_state in peer_states:
             spec = peer_state.spec
             if len(peer_states) == 1:
                 chunk = full
-            else:  # fan-in: cut the gradient back into the replicas' pieces, in chunk order
-                size = next((meta.shape[dim] for meta in spec.leaves if meta is not None and meta.shape), 0)
-                chunk = [None if grad is None else grad.narrow(dim, start, size) for grad in full]
-                start += size
+            else:  # fan-in: cut the gradient back into the replicas' pieces (each leaf by its own size)
+                chunk = []
+                for index, (grad, meta) in enumerate(zip(full, spec.leaves)):
+                    if grad is None or meta is None:
+                        chunk.append(None)
+                        continue
+                    size = meta.shape[dims[index]]
+                    chunk.append(grad.narrow(dims[index], starts[index], size))
+                    starts[index] += size
             if not spec.requires_grad:
                 continue  # the peer's forward had no leaf requiring grad: it expects nothing
             chunk = [g if (meta is not None and meta.requires_grad) else None for g, meta in zip(chunk, spec.leaves)]
@@ -774,6 +808,8 @@ class MultiModuleCommunicator:
         buffer = self._send_buffers.get(slot)
         if buffer is None or slot in self._packed or buffer.numel() != nbytes:
             return None
+        if any(buffer is sent for _, sent, later in self._pending_sends if later):
+            return None  # a later round still in flight
         return buffer
 
     def _keep_send_buffer(self, peer: int, key: MessageKey, buffer: torch.Tensor) -> None:
@@ -865,13 +901,15 @@ class MultiModuleCommunicator:
             works = dist.batch_isend_irecv(ops)
             self.stats.rounds += 1
             if len(works) == len(ops):  # one work per op (gloo)
-                self._pending_sends.extend((w, m.parts[round_index]) for w, m in zip(works[: len(sends)], sends))
+                self._pending_sends.extend(
+                    (w, m.parts[round_index], round_index > 0) for w, m in zip(works[: len(sends)], sends)
+                )
                 recv_works = works[len(sends):]
                 for peer, msgs in by_peer.items() if recvs else ():
                     mine = [w for w, m in zip(recv_works, recvs) if m.peer == peer]
                     groups[peer] = _Group(peer, msgs, list(msgs), mine)
             else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
-                self._pending_sends.extend((w, None) for w in works)
+                self._pending_sends.extend((w, None, False) for w in works)
                 for peer, msgs in by_peer.items() if recvs else ():
                     groups[peer] = _Group(peer, msgs, list(msgs), list(works))
         self._open.update(groups)

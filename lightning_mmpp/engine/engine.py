@@ -339,6 +339,7 @@ class PipelineEngine:
         engine's on the same stages (its results are the same; its timing and memory are not)."""
         kind = StepKind.parse(kind)
         m, shard = self.batches.split(batch, kind)
+        self.comm.routing = self.batches.routing
         self.failures.begin(self._steps if step_index is None else step_index, kind)
         self.tracer.step = self._steps if step_index is None else step_index
         self._steps += 1

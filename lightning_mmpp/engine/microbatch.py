@@ -15,11 +15,24 @@ What is split, leaf by leaf (the *splitting rule*):
 * everything else (0-d tensors, numbers, strings, lists of another length, ``None``, any
   other object) is handed whole to every microbatch and shard.
 
+* a :class:`~lightning_mmpp.model.ragged.Ragged` (a variable number of items per sample) is
+  split by sample: a slice of samples takes their counts and the rows of ``values`` they own.
+  Its sample count (``len(counts)``) must equal the batch size.
+
 A list or tuple that *contains* tensors is a container (like a dict), not a field: its
-elements follow the rule one by one. The ambiguous case is a list without tensors whose length
+elements follow the rule one by one. So a per-sample list of tensors of different lengths (the
+images of each sample, say) is *not* accepted as ragged: its elements would be taken as
+separate fields. The batch is refused with an error naming the field; pack it in the
+``collate_fn`` as ``Ragged.from_list(images)`` (``values`` = the images one after another,
+``counts`` = images per sample). The ambiguous case is a list without tensors whose length
 happens to equal the batch size although it is not per-sample (say, four class names with a
 batch of four): wrap it in :class:`Unsplit` in the ``collate_fn`` and the hooks receive the
 list itself, whole, in every microbatch and shard.
+
+Replicas: a module's dp replica ``j`` takes the equal contiguous shard ``j`` of each
+microbatch, or, with ``ModulePlacement(balance="items")``, a contiguous shard balanced by the
+items of the batch's ``Ragged`` fields (summed over those fields, per sample), computed
+identically on every rank from the counts (:class:`SampleRouting`).
 """
 
 from __future__ import annotations
@@ -31,15 +44,20 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_mmpp import torch_api as pytree
+from lightning_mmpp.core.balance import item_bounds
 from lightning_mmpp.core.kinds import StepKind
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.model.ragged import Ragged
 
 __all__ = [
     "BatchSplitter",
+    "SampleRouting",
     "Unsplit",
     "batch_size_of",
+    "item_counts",
     "microbatch_count",
+    "sample_routing",
     "slice_batch",
     "split_microbatches",
     "unwrap_unsplit",
@@ -68,22 +86,79 @@ def _is_sample_list(node: Any) -> bool:
 
 
 def _is_field(node: Any) -> bool:
-    return isinstance(node, Unsplit) or _is_sample_list(node)
+    return isinstance(node, (Unsplit, Ragged)) or _is_sample_list(node)
 
 
 def _fields(batch: Any) -> tuple[list[Any], pytree.TreeSpec]:
     return pytree.tree_flatten(batch, is_leaf=_is_field)
 
 
+def _field_size(leaf: Any) -> Optional[int]:
+    """The samples a field carries: dim 0 of a tensor, ``len(counts)`` of a ``Ragged``."""
+    if isinstance(leaf, Ragged):
+        return leaf.num_samples
+    if isinstance(leaf, Tensor) and leaf.dim() > 0:
+        return int(leaf.shape[0])
+    return None
+
+
+def _check_ragged(leaf: Ragged, path: str) -> None:
+    """The ``Ragged`` invariants again (a collate_fn may have replaced ``values`` or ``counts``)."""
+    try:
+        Ragged(leaf.values, leaf.counts)
+    except PipelineConfigError as err:
+        raise PipelineConfigError(f"batch field {path}: {err}") from None
+
+
+def _disagreement(batch: Any) -> PipelineConfigError:
+    """The error for fields that disagree on the sample count, naming each field."""
+    with_path, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_field)
+    named = [(pytree.keystr(path) or "(the batch)", _field_size(leaf)) for path, leaf in with_path]
+    listing = ", ".join(f"{path}: {size}" for path, size in named if size is not None)
+    hint = ""
+    lists = [path for path in _tensor_lists(batch, ())]
+    if lists:
+        hint = (
+            f" The batch holds a list of tensors at {', '.join(lists)}: a list is a container, its tensors are "
+            "separate fields. If it holds a variable number of items per sample (images of each sample), pack it "
+            "in the collate_fn as lightning_mmpp.Ragged.from_list(items) (values packed along dim 0, counts = "
+            "items per sample)."
+        )
+    return PipelineConfigError(
+        f"the batch's fields disagree on dim 0, the number of samples ({listing}); every tensor's dim 0 and every "
+        f"Ragged's len(counts) must equal the batch size.{hint}"
+    )
+
+
+def _tensor_lists(node: Any, path: tuple[Any, ...]) -> list[str]:
+    """Paths of the lists/tuples (not namedtuples) in ``node`` whose elements are all tensors."""
+    if isinstance(node, dict):
+        return [p for key, value in node.items() for p in _tensor_lists(value, path + (pytree.MappingKey(key),))]
+    if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+        if node and all(isinstance(item, Tensor) for item in node):
+            return [pytree.keystr(path) or "(the batch)"]
+        return [p for i, item in enumerate(node) for p in _tensor_lists(item, path + (pytree.SequenceKey(i),))]
+    return []
+
+
 def batch_size_of(batch: Any) -> int:
-    """The batch size: dim 0 of every tensor leaf with a dimension (they must agree).
+    """The batch size: dim 0 of every tensor leaf with a dimension and ``len(counts)`` of every
+    :class:`~lightning_mmpp.model.ragged.Ragged` (they must agree).
 
     A batch without such tensors takes the length of its per-sample lists, if they agree.
+
+    Raises:
+        PipelineConfigError: the fields disagree (the message names each field and its count),
+            or a ``Ragged``'s counts do not match its values.
     """
-    leaves, _ = _fields(batch)
-    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    with_path, _ = pytree.tree_flatten_with_path(batch, is_leaf=_is_field)
+    leaves = [leaf for _, leaf in with_path]
+    for path, leaf in with_path:
+        if isinstance(leaf, Ragged):
+            _check_ragged(leaf, pytree.keystr(path) or "(the batch)")
+    sizes = {size for size in map(_field_size, leaves) if size is not None}
     if len(sizes) > 1:
-        raise PipelineConfigError(f"the batch's tensors disagree on dim 0 (sizes {sorted(sizes)}); they must agree.")
+        raise _disagreement(batch)
     if not sizes:
         sizes = {len(leaf) for leaf in leaves if _is_sample_list(leaf) and len(leaf) > 0}
         if len(sizes) != 1:
@@ -118,6 +193,8 @@ def microbatch_count(batch_size: int, num_microbatches: int, divisor: int, short
 
 
 def _slice_field(leaf: Any, index: slice, batch_size: int) -> Any:
+    if isinstance(leaf, Ragged):
+        return leaf.select(index.start, index.stop)
     if isinstance(leaf, Tensor):
         return leaf[index] if leaf.dim() > 0 else leaf
     if _is_sample_list(leaf) and len(leaf) == batch_size:
@@ -147,11 +224,84 @@ def unwrap_unsplit(batch: Any) -> Any:
     return spec.unflatten([leaf.value if isinstance(leaf, Unsplit) else leaf for leaf in leaves])
 
 
+def item_counts(batch: Any, batch_size: int) -> list[int]:
+    """Items per sample: the counts of every ``Ragged`` field of ``batch``, summed per sample."""
+    fields = [leaf for leaf in _fields(batch)[0] if isinstance(leaf, Ragged)]
+    totals = [0] * batch_size
+    for field in fields:
+        for i, count in enumerate(field.counts.tolist()):
+            totals[i] += int(count)
+    return totals
+
+
+@dataclass(frozen=True)
+class SampleRouting:
+    """Which samples of each microbatch every replica of every module holds, for one step.
+
+    ``per``: samples per microbatch. ``balanced``: for each module with ``balance="items"``,
+    per microbatch, the sample boundaries ``(0, b1, ..., per)`` of its replicas; every other
+    module's replicas take equal shards. The bridges route by it
+    (:class:`~lightning_mmpp.engine.comm.MultiModuleCommunicator`), and
+    :class:`BatchSplitter` hands each replica its shard by it.
+    """
+
+    layout: PipelineLayout
+    per: int
+    balanced: dict[str, tuple[tuple[int, ...], ...]]
+
+    def bounds(self, module: str, k: int) -> tuple[int, ...]:
+        """Sample boundaries of ``module``'s replicas in microbatch ``k``."""
+        if module in self.balanced:
+            return self.balanced[module][k]
+        dp = self.layout.placements[module].dp
+        return tuple(range(0, self.per + 1, self.per // dp))
+
+    def shard(self, module: str, replica: int, k: int) -> slice:
+        """The samples of microbatch ``k`` that ``module``'s ``replica`` processes."""
+        if module not in self.balanced:
+            return self.layout.batch_shard(module, replica, self.per)
+        bounds = self.balanced[module][k]
+        return slice(bounds[replica], bounds[replica + 1])
+
+    def piece_sizes(self, up: str, down: str, replica: int, downstream: bool, k: int) -> list[int]:
+        """On the routed bridge ``up -> down`` in microbatch ``k``: the samples ``replica`` (of
+        ``up`` when ``downstream``, else of ``down``) shares with each replica of the other end,
+        in replica order (what it sends to / receives from each; zeros allowed)."""
+        mine, theirs = (up, down) if downstream else (down, up)
+        a, b = self.bounds(mine, k), self.bounds(theirs, k)
+        lo, hi = a[replica], a[replica + 1]
+        return [max(0, min(hi, b[c + 1]) - max(lo, b[c])) for c in range(len(b) - 1)]
+
+
+def sample_routing(layout: PipelineLayout, micro: list[Any], per: int) -> SampleRouting:
+    """The :class:`SampleRouting` of one step's microbatches (``per`` samples each).
+
+    Raises:
+        PipelineConfigError: a module has ``balance="items"`` but the batch holds no ``Ragged``
+            field to count items in.
+    """
+    balanced: dict[str, tuple[tuple[int, ...], ...]] = {}
+    if layout.balanced_modules:
+        counts = [item_counts(mb, per) for mb in micro]
+        if micro and not any(isinstance(leaf, Ragged) for leaf in _fields(micro[0])[0]):
+            names = sorted(layout.balanced_modules)
+            raise PipelineConfigError(
+                f"ModulePlacement(balance=\"items\") on {names}, but the batch holds no lightning_mmpp.Ragged field: "
+                "the items balanced over the replicas are counted from the batch's Ragged fields. Put the "
+                "per-sample items in the batch as a Ragged, or use balance=\"samples\"."
+            )
+        for module in sorted(layout.balanced_modules):
+            dp = layout.placements[module].dp
+            balanced[module] = tuple(item_bounds(c, dp) for c in counts)
+    return SampleRouting(layout, per, balanced)
+
+
 class BatchSplitter:
     """Splits each global batch for one rank: microbatches, then this rank's dp shard of them.
 
     Tracks, per :class:`~lightning_mmpp.core.kinds.StepKind`, the largest batch seen: a smaller
     one is a short last batch and runs with fewer microbatches (:func:`microbatch_count`).
+    After :meth:`split`, :attr:`routing` says which samples every replica holds in that step.
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, num_microbatches: int) -> None:
@@ -160,6 +310,7 @@ class BatchSplitter:
         self.num_microbatches = num_microbatches
         self.divisor = layout.batch_divisor
         self._largest: dict[StepKind, int] = {}
+        self.routing: Optional[SampleRouting] = None
 
     def split(self, batch: Any, kind: StepKind) -> tuple[int, Callable[[str, int], Any]]:
         """``(m, shard)``: the microbatch count, and ``shard(module, k)``, the part of microbatch
@@ -170,10 +321,11 @@ class BatchSplitter:
         self._largest[kind] = max(largest, size)
         micro = split_microbatches(batch, m)
         per = size // m
+        routing = self.routing = sample_routing(self.layout, micro, per)
 
         def shard(module: str, k: int) -> Any:
             slot = self.layout.slot(self.rank, module)
             assert slot is not None, f"rank {self.rank} holds no stage of {module!r}"
-            return unwrap_unsplit(slice_batch(micro[k], self.layout.batch_shard(module, slot.replica, per), per))
+            return unwrap_unsplit(slice_batch(micro[k], routing.shard(module, slot.replica, k), per))
 
         return m, shard

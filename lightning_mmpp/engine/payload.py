@@ -12,8 +12,9 @@ describes, packs, splits and concatenates payloads for :mod:`lightning_mmpp.engi
   buffer: a 16-byte header (int64 control flag, int64 message tag) followed by each leaf's
   bytes at an offset aligned to 16 bytes, so that :func:`unpack` can ``view`` each leaf back
   in its own dtype without copying. :class:`BufferLayout` says where each leaf goes.
-* :func:`split_payload` / :func:`concat_payloads` cut or join every tensor leaf along a batch
-  dimension: what the bridges between modules of different dp sizes do.
+* :func:`split_payload` / :func:`concat_payloads` cut or join a payload by sample: every tensor
+  leaf along a batch dimension, every :class:`~lightning_mmpp.model.ragged.Ragged` by its counts
+  (what the bridges between modules of different dp sizes do).
 
 ``None`` leaves are always treated as leaves (``is_leaf=None``), whatever the installed
 torch's pytree registry does with ``None``, so a gradient pytree with ``None`` at some leaves
@@ -32,6 +33,7 @@ import torch
 
 from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.model.ragged import Ragged
 
 __all__ = [
     "ALIGNMENT",
@@ -43,6 +45,7 @@ __all__ = [
     "TensorMeta",
     "concat_payloads",
     "flatten_payload",
+    "leaf_batch_dims",
     "pack",
     "pack_header",
     "read_header",
@@ -349,47 +352,83 @@ def unpack(buffer: torch.Tensor, layout: BufferLayout) -> list[torch.Tensor]:
 # --- split / concatenate along the batch dim --------------------------------------------------
 
 
-def split_payload(payload: Any, num_chunks: int, dim: int = 0, context: str = "") -> list[Any]:
-    """Split every tensor leaf of ``payload`` into ``num_chunks`` equal contiguous chunks along ``dim``.
+def _is_none_or_ragged(node: Any) -> bool:
+    return node is None or isinstance(node, Ragged)
 
-    Chunk ``c`` holds slice ``c`` of every leaf (views, no copies); ``None`` leaves are
-    ``None`` in every chunk.
+
+def _fields_of(payload: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """The payload's leaves with every :class:`Ragged` kept whole (it splits and joins by sample)."""
+    return pytree.tree_flatten(payload, is_leaf=_is_none_or_ragged)
+
+
+def leaf_batch_dims(spec: PayloadSpec, dim: int) -> list[int]:
+    """The batch dimension of each leaf of ``spec``: 0 for the parts of a :class:`Ragged`
+    (``values`` and ``counts`` are packed by sample along dim 0), ``dim`` for the others."""
+    template = spec.unflatten(list(range(spec.num_leaves)))
+    fields, _ = _fields_of(template)
+    dims = [dim] * spec.num_leaves
+    for field in fields:
+        if isinstance(field, Ragged):
+            for index in (field.values, field.counts):
+                if isinstance(index, int):
+                    dims[index] = 0
+    return dims
+
+
+def split_payload(
+    payload: Any, num_chunks: int, dim: int = 0, context: str = "", sizes: Optional[Sequence[int]] = None
+) -> list[Any]:
+    """Split ``payload`` by sample into ``num_chunks`` contiguous chunks (equal, or of ``sizes`` samples).
+
+    A tensor leaf is cut along ``dim`` (its rows are samples); a :class:`Ragged` is cut by
+    sample, each chunk taking its samples' counts and item rows. Chunks are views, no copies;
+    ``None`` leaves are ``None`` in every chunk; a chunk of zero samples holds empty tensors.
 
     Args:
         payload: the payload to split.
         num_chunks: number of chunks (``1`` returns ``[payload]``).
         dim: the batch dimension (negative values count from the end of each leaf's shape).
         context: appended to error messages, e.g. ``"for fan-out from 'vision' (dp=1) to 'llm' (dp=4)"``.
+        sizes: samples per chunk (``num_chunks`` entries summing to the batch); ``None``: equal chunks.
 
     Raises:
         PipelineConfigError: a leaf is 0-dim, has no dimension ``dim``, or its size along
-            ``dim`` is not divisible by ``num_chunks``.
+            ``dim`` is not divisible by ``num_chunks`` (or does not match ``sizes``).
     """
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
+    if sizes is not None and len(sizes) != num_chunks:
+        raise ValueError(f"split_payload got {len(sizes)} sizes for {num_chunks} chunks")
     suffix = f" {context}" if context else ""
-    leaves, spec = flatten_payload(payload, where=f"payload to split{suffix}")
+    flatten_payload(payload, where=f"payload to split{suffix}")  # validates every leaf
     if num_chunks == 1:
         return [payload]
-    chunked: list[list[Optional[torch.Tensor]]] = [[] for _ in range(num_chunks)]
-    paths: Optional[list[str]] = None
-    for index, leaf in enumerate(leaves):
+    fields, spec = _fields_of(payload)
+    chunked: list[list[Any]] = [[] for _ in range(num_chunks)]
+    for index, leaf in enumerate(fields):
         if leaf is None:
             for chunk in chunked:
                 chunk.append(None)
             continue
-        ndim = leaf.dim()
+        ragged = isinstance(leaf, Ragged)
+        total = leaf.num_samples if ragged else None
+        ndim = leaf.dim() if not ragged else 1
         problem = ""
-        if ndim == 0:
+        if not ragged and ndim == 0:
             problem = "is a 0-dim tensor and has no batch dim"
-        elif not -ndim <= dim < ndim:
+        elif not ragged and not -ndim <= dim < ndim:
             problem = f"has shape {list(leaf.shape)} and no dim {dim}"
-        elif leaf.shape[dim] % num_chunks:
-            problem = f"size {leaf.shape[dim]}"
+        else:
+            total = total if ragged else int(leaf.shape[dim])
+            if sizes is None and total % num_chunks:
+                problem = f"size {total}"
+            elif sizes is not None and sum(sizes) != total:
+                problem = f"size {total} (the bridge routes {sum(sizes)} samples)"
         if problem:
-            paths = paths if paths is not None else _leaf_paths(spec.unflatten([None] * spec.num_leaves))
+            paths = _leaf_paths(spec.unflatten([None] * spec.num_leaves))
+            what = ("the samples" if ragged else "the batch dim") + f" of {problem}"
             if problem.startswith("size"):
-                head = f"cannot split the batch dim of {problem} of leaf {paths[index]} into {num_chunks} chunks"
+                head = f"cannot split {what} of leaf {paths[index]} into {num_chunks} chunks"
             else:
                 head = f"leaf {paths[index]} {problem} to split into {num_chunks} chunks"
             raise PipelineConfigError(
@@ -398,9 +437,16 @@ def split_payload(payload: Any, num_chunks: int, dim: int = 0, context: str = ""
                 "ModulePlacement(batch_dim=...) to the batch dimension of this output, or keep "
                 "per-batch scalars out of the output."
             )
-        size = leaf.shape[dim] // num_chunks
-        for c, chunk in enumerate(chunked):
-            chunk.append(leaf.narrow(dim, c * size, size))
+        assert total is not None
+        counts = list(sizes) if sizes is not None else [total // num_chunks] * num_chunks
+        if ragged:
+            for chunk, piece in zip(chunked, leaf.split(counts)):
+                chunk.append(piece)
+            continue
+        start = 0
+        for chunk, size in zip(chunked, counts):
+            chunk.append(leaf.narrow(dim, start, size))
+            start += size
     return [spec.unflatten(chunk) for chunk in chunked]
 
 
@@ -422,7 +468,7 @@ def concat_payloads(payloads: Sequence[Any], dim: int = 0, context: str = "") ->
     flat = [flatten_payload(p, where=f"payload {i} to concatenate{suffix}") for i, p in enumerate(payloads)]
     if len(payloads) == 1:
         return payloads[0]
-    first_leaves, first_spec = flat[0]
+    _, first_spec = flat[0]
     for i, (_, spec) in enumerate(flat[1:], start=1):
         if spec.treespec != first_spec.treespec:
             raise PipelineConfigError(
@@ -431,30 +477,45 @@ def concat_payloads(payloads: Sequence[Any], dim: int = 0, context: str = "") ->
                 "module must return outputs of the same structure (same keys, same nesting, None at "
                 "the same places)."
             )
-    joined: list[Optional[torch.Tensor]] = []
-    paths: Optional[list[str]] = None
-    for index in range(first_spec.num_leaves):
-        column = [leaves[index] for leaves, _ in flat]
-        if all(leaf is None for leaf in column):
-            joined.append(None)
-            continue
-        problem = ""
-        if any(leaf is None for leaf in column):
-            problem = "is None in some payloads and a tensor in others"
-        elif any(leaf.dim() == 0 for leaf in column):
-            problem = "is a 0-dim tensor and has no batch dim"
-        elif len({leaf.dtype for leaf in column}) > 1:
-            problem = f"has different dtypes {[str(leaf.dtype) for leaf in column]}"
+    fields = [_fields_of(p)[0] for p in payloads]
+    _, field_spec = _fields_of(payloads[0])
+    joined: list[Any] = []
+    for index, first in enumerate(fields[0]):
+        if isinstance(first, Ragged):  # by sample: the items and the counts, one piece after another
+            pieces = [f[index] for f in fields]
+            joined.append(Ragged._unchecked(
+                _concat_column([p.values for p in pieces], 0, first_spec, suffix, payloads),
+                _concat_column([p.counts for p in pieces], 0, first_spec, suffix, payloads),
+            ))
         else:
-            try:
-                joined.append(torch.cat(column, dim=dim))
-            except (RuntimeError, IndexError) as err:
-                shapes = [list(leaf.shape) for leaf in column]
-                problem = f"has shapes/dtypes that do not concatenate along dim {dim}: {shapes} ({err})"
-        if problem:
-            paths = paths if paths is not None else _leaf_paths(first_spec.unflatten([None] * first_spec.num_leaves))
-            raise PipelineConfigError(
-                f"cannot concatenate payloads{suffix}: leaf {paths[index]} {problem}. Every replica must "
-                "return the same structure with tensors that differ only along the batch dim."
-            )
-    return first_spec.unflatten(joined)
+            joined.append(_concat_column([f[index] for f in fields], dim, first_spec, suffix, payloads))
+    return field_spec.unflatten(joined)
+
+
+def _concat_column(
+    column: list[Optional[torch.Tensor]], dim: int, first_spec: PayloadSpec, suffix: str, payloads: Sequence[Any]
+) -> Optional[torch.Tensor]:
+    """One leaf of every payload, concatenated along ``dim`` (``None`` if it is ``None`` in all)."""
+    if all(leaf is None for leaf in column):
+        return None
+    problem = ""
+    if any(leaf is None for leaf in column):
+        problem = "is None in some payloads and a tensor in others"
+    elif any(leaf.dim() == 0 for leaf in column):
+        problem = "is a 0-dim tensor and has no batch dim"
+    elif len({leaf.dtype for leaf in column}) > 1:
+        problem = f"has different dtypes {[str(leaf.dtype) for leaf in column]}"
+    else:
+        try:
+            return torch.cat(column, dim=dim)
+        except (RuntimeError, IndexError) as err:
+            shapes = [list(leaf.shape) for leaf in column]
+            problem = f"has shapes/dtypes that do not concatenate along dim {dim}: {shapes} ({err})"
+    owner = next(j for j, leaf in enumerate(column) if leaf is not None)
+    leaves = flatten_payload(payloads[owner], "payload")[0]
+    index = next(i for i, leaf in enumerate(leaves) if leaf is column[owner])
+    path = _leaf_paths(first_spec.unflatten([None] * first_spec.num_leaves))[index]
+    raise PipelineConfigError(
+        f"cannot concatenate payloads{suffix}: leaf {path} {problem}. Every replica must "
+        "return the same structure with tensors that differ only along the batch dim."
+    )

@@ -47,6 +47,7 @@ from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError, Pi
 from lightning_mmpp.engine.failures import FailureBoard
 from lightning_mmpp.model.hooks import pipeline_loss_caller
 from lightning_mmpp.model.partition import StageRunner
+from lightning_mmpp.model.ragged import Ragged, run_ragged
 from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.engine.trace import NULL_TRACER, PHASE_SPANS, Tracer
 
@@ -231,12 +232,16 @@ class StageExecutor:
 
     def forward(self, x: Any, track_grad: bool, split: bool) -> tuple[Any, Optional[list[_LayerPiece]]]:
         """The stage output for input ``x``; with ``split`` also the per-layer graph pieces."""
+        where = f"module {self.module!r} stage {self.stage}"
         if not track_grad:
             with torch.no_grad():
-                return self.runner(x), None
+                return run_ragged(self.runner, x, where), None
         if not split:
-            return self.runner(x), None
+            return run_ragged(self.runner, x, where), None
         pieces: list[_LayerPiece] = []
+        if isinstance(x, Ragged):  # the layers see the packed items; the output keeps the counts
+            out, pieces = self.forward(x.values, track_grad, split)
+            return run_ragged(lambda _values: out, x, where), pieces
         h = x  # the received input is already a graph leaf
         for index, layer in enumerate(self.runner.layers):
             if index:

@@ -7,6 +7,7 @@ pipeline is equivalent to, and a ready-made ``training_step`` for single-process
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.hooks import pipeline_loss_caller
+from lightning_mmpp.model.ragged import run_ragged
 from lightning_mmpp.core.topology import ModuleTopology
 
 _NOT_GIVEN: Any = object()
@@ -47,8 +49,7 @@ def run_unpipelined(
     for module in topo.order:
         upstream = {u: outputs[u] for u in topo.upstream(module)}
         x = model.pipeline_inputs(module, batch, upstream)  # type: ignore[operator]
-        for layer in _layers(getattr(model, module)):
-            x = layer(x)
+        x = run_ragged(functools.partial(_run_layers, getattr(model, module)), x, f"module {module!r}")
         outputs[module] = x
         if not topo.downstream(module):
             result = pipeline_loss(module, x, batch)
@@ -59,6 +60,12 @@ def run_unpipelined(
             loss = value if loss is None else loss + value
     assert loss is not None
     return loss, outputs
+
+
+def _run_layers(container: nn.Module, x: Any) -> Any:
+    for layer in _layers(container):
+        x = layer(x)
+    return x
 
 
 def _layers(container: nn.Module) -> Any:
