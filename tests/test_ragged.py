@@ -243,3 +243,26 @@ def test_bridge_split_and_concat_by_sample_round_trip():
     assert [p["feat"].counts.tolist() for p in equal] == [[2, 0], [0, 5]]
     with pytest.raises(PipelineConfigError, match="cannot split the samples of size 4"):
         split_payload(payload, 3)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_readme_ragged_snippet_trains_under_lightning(tmp_path):
+    """The README's "Ragged batches" example (Lightning's launcher, batch transfer and sampler with
+    a Ragged field, balance="items") trains as shown, its step count lowered."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_readme_snippet import ROOT, readme_snippet
+
+    code = readme_snippet("Ragged batches")
+    assert code.count("max_steps=10") == 1, "the snippet's Trainer line changed: update this test"
+    script = tmp_path / "vlm.py"
+    script.write_text(code.replace("max_steps=10", "max_steps=2"))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "`max_steps=2` reached" in out, out[-4000:]
