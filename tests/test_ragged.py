@@ -7,6 +7,7 @@ joins by sample, and the errors."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ LAYOUTS = {
     "img_dp2-llm_dp2": (ONE_ENC, {"img": P(dp=2), "llm": P(dp=2)}),
     "img_colocated_llm_dp2": (ONE_ENC, {"img": P(dp=2, rank_offset=0), "llm": P(dp=2, rank_offset=0)}),
     "img_dp2+enc_b-llm_pp2": (TWO_ENC, {"img": P(dp=2), "enc_b": P(), "llm": P(pp=2)}),
+    "img_pp2-llm": (ONE_ENC, {"img": P(pp=2), "llm": P()}),  # a Ragged between the encoder's stages
 }
 SCHEDULES = ("1f1b", "zero_bubble")
 
@@ -48,7 +50,8 @@ def _configs(layouts: list[str]) -> list[tuple[str, dict, dict, str]]:
     out = []
     for layout in layouts:
         topology, placements = LAYOUTS[layout]
-        for balance in ("samples", "items"):
+        balances = ("samples", "items") if placements["img"].dp > 1 else ("samples",)  # items: no-op on dp=1
+        for balance in balances:
             for schedule in SCHEDULES:
                 out.append((f"{layout}/{balance}/{schedule}", topology, _with_balance(placements, balance), schedule))
     return out
@@ -104,7 +107,7 @@ def _check(per_rank, configs):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layouts", [
     ["img_colocated_llm_dp2"],
-    ["img_dp2-llm", "img-llm_dp2"],
+    ["img_dp2-llm", "img-llm_dp2", "img_pp2-llm"],
     ["img_dp2-llm_dp2"],
     ["img_dp2+enc_b-llm_pp2"],
 ], ids=lambda layouts: "+".join(layouts))
@@ -143,6 +146,9 @@ def test_ragged_validates_counts():
     r = Ragged.from_list([torch.ones(2, 3), torch.zeros(0, 3), 2 * torch.ones(1, 3)])
     assert r.counts.tolist() == [2, 0, 1] and r.values.shape == (3, 3)
     assert [t.shape[0] for t in r.items()] == [2, 0, 1]
+    back = pickle.loads(pickle.dumps(r))  # DataLoader workers send batches pickled
+    assert torch.equal(back.values, r.values) and back.counts.tolist() == [2, 0, 1]
+    assert r.to(torch.float64).values.dtype == torch.float64 and r.to(torch.float64).counts.dtype == torch.int64
 
 
 def test_splitting_rule_splits_ragged_by_sample():

@@ -112,6 +112,13 @@ class Ragged:
         counts_kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
         return Ragged._unchecked(self.values.to(*args, **kwargs), self.counts.to(*counts_args, **counts_kwargs))
 
+    def pin_memory(self) -> "Ragged":
+        """Both tensors in pinned memory (what ``DataLoader(pin_memory=True)`` calls)."""
+        return Ragged._unchecked(self.values.pin_memory(), self.counts.pin_memory())
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (DataLoader workers) through the checked constructor
+        return (Ragged, (self.values, self.counts))
+
     @property
     def num_samples(self) -> int:
         """The number of samples (``len(counts)``)."""
