@@ -196,6 +196,10 @@ def test_item_bounds_balance_items_contiguously():
             assert b[0] == 0 and b[-1] == len(weights) and all(x < y for x, y in zip(b, b[1:]))
             best = min(max(sum(weights[a:b2]) for a, b2 in zip(c, c[1:])) for c in _all_splits(len(weights), parts))
             assert max(sum(weights[a:c]) for a, c in zip(b, b[1:])) == best
+            for offsets in ([100, 0, 0][:parts], [0, 7, 3][:parts], [5, 5, 40][:parts]):  # earlier microbatches
+                b = item_bounds(weights, parts, offsets)
+                load = lambda c: max(o + sum(weights[x:y]) for o, x, y in zip(offsets, c, c[1:]))  # noqa: E731
+                assert all(x < y for x, y in zip(b, b[1:])) and load(b) == min(map(load, _all_splits(len(weights), parts)))
 
 
 def _all_splits(n, parts):
@@ -224,14 +228,19 @@ def test_routing_assigns_by_items_and_shards_follow():
     splitter = BatchSplitter(layout, 0, M)
     m, shard = splitter.split(batch, StepKind.TRAIN)
     routing = splitter.routing
-    assert routing.bounds("img", 0) == (0, 3, 4) and routing.bounds("img", 1) == (0, 1, 4)
+    # microbatch 1, counts (2, 4, 0, 1): replica 1 already holds 3 images, so 6 | 1 (totals 6, 4)
+    # beats the even-looking 2 | 5 (totals 2, 8): the step waits for the replica with most images
+    assert routing.bounds("img", 0) == (0, 3, 4) and routing.bounds("img", 1) == (0, 2, 4)
     assert routing.bounds("llm", 0) == (0, 2, 4)
     assert shard("img", 0)["images"].counts.tolist() == [0, 0, 0]  # this replica: no image
-    assert shard("img", 1)["images"].counts.tolist() == [2]
+    assert shard("img", 1)["images"].counts.tolist() == [2, 4]
     # img replica 0 sends its 3 samples of microbatch 0: 2 to llm replica 0, 1 to replica 1
     assert routing.piece_sizes("img", "llm", 0, True, 0) == [2, 1]
     assert routing.piece_sizes("img", "llm", 1, True, 0) == [0, 1]
     assert routing.piece_sizes("img", "llm", 1, False, 0) == [1, 1]  # llm replica 1 receives from both
+    # the heavier side of an uneven split goes to the replica with fewer images so far
+    micro = [{"images": Ragged(torch.zeros(3, 1), [1, 1, 1])} for _ in range(2)]
+    assert [sample_routing(layout, micro, 3).bounds("img", k) for k in (0, 1)] == [(0, 2, 3), (0, 1, 3)]
     with pytest.raises(PipelineConfigError, match="holds no lightning_mmpp.Ragged"):
         sample_routing(layout, [{"x": torch.zeros(4)}], 4)
 

@@ -8,6 +8,7 @@ over a ragged module's replicas, balanced by item count: :func:`item_bounds`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 __all__ = ["balanced_split", "item_bounds", "split_bounds"]
 
@@ -47,44 +48,65 @@ def split_bounds(ranges: Sequence[range]) -> tuple[int, ...]:
     return tuple(r.start for r in ranges[1:])
 
 
-def item_bounds(weights: Sequence[int], parts: int) -> tuple[int, ...]:
+def item_bounds(weights: Sequence[int], parts: int, offsets: Optional[Sequence[int]] = None) -> tuple[int, ...]:
     """Sample boundaries ``(0, b1, ..., n)`` splitting ``n`` samples of integer ``weights`` (items
     per sample) into ``parts`` contiguous non-empty ranges whose heaviest is as light as possible.
 
-    The smallest feasible capacity is found by bisection (``O(n log sum)``); each range then takes
-    samples greedily up to it, stopping early only to leave one sample for each range still to
-    come. Ties in items go to the split with fewer samples in its largest range (each sample
-    weighs ``items * (n + 1) + 1``), so samples without items spread evenly. Pure arithmetic on the
-    weights: every rank computes the same bounds.
+    ``offsets``: items range ``j`` already carries (from earlier microbatches of the step); then
+    the heaviest ``offsets[j] + load_j`` is minimised. Ties in items go to the split with fewer
+    samples in its heaviest range (each sample weighs ``items * (n + 1) + 1``), so samples
+    without items spread evenly. The smallest feasible capacity is found by bisection, each test
+    a sweep over the ends each range can reach (``O(parts * n)``); the bounds are then read back
+    from the last range, each range starting as late as it can. Pure arithmetic on the weights:
+    every rank computes the same bounds.
     """
     n = len(weights)
     if parts < 1 or n < parts:
         raise ValueError(f"cannot split {n} samples into {parts} non-empty ranges")
     if any(w < 0 for w in weights):
         raise ValueError(f"item counts must be >= 0, got {list(weights)}")
-    weights = [w * (n + 1) + 1 for w in weights]
+    scale = n + 1
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w * scale + 1)
+    base = [0] * parts if offsets is None else [o * scale for o in offsets]
 
-    def ranges_needed(capacity: int) -> int:
-        used, load = 1, 0
-        for w in weights:
-            if load + w > capacity:
-                used, load = used + 1, 0
-            load += w
-        return used
+    def reachable(capacity: int) -> Optional[list[list[bool]]]:
+        """``starts[j][s]``: range ``j`` can start at sample ``s`` with every range so far within
+        ``capacity``; ``None`` if the last range cannot end at ``n``."""
+        starts = [[False] * (n + 1) for _ in range(parts + 1)]
+        starts[0][0] = True
+        for j in range(parts):
+            last = n - (parts - j - 1)  # leave a sample for every later range
+            marks = [0] * (n + 2)
+            end = 0
+            for s in range(n):
+                if not starts[j][s]:
+                    continue
+                end = max(end, s)
+                while end < last and base[j] + prefix[end + 1] - prefix[s] <= capacity:
+                    end += 1
+                if end > s:
+                    marks[s + 1] += 1
+                    marks[end + 1] -= 1
+            running = 0
+            for e in range(n + 1):
+                running += marks[e]
+                starts[j + 1][e] = running > 0
+        return starts if starts[parts][n] else None
 
-    low, high = max(weights), sum(weights)
+    low, high = 0, max(base) + prefix[n]
     while low < high:
         mid = (low + high) // 2
-        if ranges_needed(mid) <= parts:
+        if reachable(mid) is not None:
             high = mid
         else:
             low = mid + 1
-    bounds, load = [0], 0
-    for i, w in enumerate(weights):
-        left = parts - len(bounds)  # ranges still to open after the current one
-        if left and i > bounds[-1] and (load + w > low or n - i == left):
-            bounds.append(i)
-            load = 0
-        load += w
-    bounds.append(n)
-    return tuple(bounds)
+    starts = reachable(low)
+    assert starts is not None
+    bounds = [n]
+    for j in range(parts - 1, -1, -1):  # the latest start of range j that ends at the next bound
+        end = bounds[-1]
+        s = max(s for s in range(end) if starts[j][s] and base[j] + prefix[end] - prefix[s] <= low)
+        bounds.append(s)
+    return tuple(reversed(bounds))

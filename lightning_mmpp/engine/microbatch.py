@@ -273,6 +273,29 @@ class SampleRouting:
         return [max(0, min(hi, b[c + 1]) - max(lo, b[c])) for c in range(len(b) - 1)]
 
 
+def _step_bounds(counts: list[list[int]], parts: int) -> tuple[tuple[int, ...], ...]:
+    """The replicas' sample bounds in every microbatch of a step, microbatch by microbatch: the
+    contiguous split that makes the heaviest running item total (this microbatch's items plus
+    those the replica took in the earlier ones) as light as possible
+    (:func:`~lightning_mmpp.core.balance.item_bounds` with offsets), filled from the first replica
+    or from the last, whichever is lighter (alternating on ties). Replicas run their microbatches
+    one after another, so the step waits for the replica with the most items in all of them."""
+    totals = [0] * parts
+    out = []
+    for k, c in enumerate(counts):
+        n = len(c)
+        forward = item_bounds(c, parts, totals)
+        backward = tuple(n - b for b in reversed(item_bounds(c[::-1], parts, totals[::-1])))
+        options = []
+        for bounds in (forward, backward) if k % 2 == 0 else (backward, forward):
+            loads = [sum(c[a:b]) for a, b in zip(bounds, bounds[1:])]
+            options.append((max(t + load for t, load in zip(totals, loads)), bounds, loads))
+        _, bounds, loads = min(options, key=lambda option: option[0])  # ties: the first (alternating)
+        totals = [t + load for t, load in zip(totals, loads)]
+        out.append(bounds)
+    return tuple(out)
+
+
 def sample_routing(layout: PipelineLayout, micro: list[Any], per: int) -> SampleRouting:
     """The :class:`SampleRouting` of one step's microbatches (``per`` samples each).
 
@@ -292,7 +315,7 @@ def sample_routing(layout: PipelineLayout, micro: list[Any], per: int) -> Sample
             )
         for module in sorted(layout.balanced_modules):
             dp = layout.placements[module].dp
-            balanced[module] = tuple(item_bounds(c, dp) for c in counts)
+            balanced[module] = _step_bounds(counts, dp)
     return SampleRouting(layout, per, balanced)
 
 
