@@ -20,6 +20,7 @@ from lightning_mmpp.engine.payload import concat_payloads, split_payload
 from lightning_mmpp.core.kinds import StepKind
 from tests.dist import require_ranks, run_distributed
 from tests.ragged_model import RaggedVLM, ragged_batches
+from tests.test_readme_snippet import run_readme_snippet
 
 P = ModulePlacement
 STEPS = 3
@@ -265,19 +266,5 @@ def test_bridge_split_and_concat_by_sample_round_trip():
 def test_readme_ragged_snippet_trains_under_lightning(tmp_path):
     """The README's "Ragged batches" example (Lightning's launcher, batch transfer and sampler with
     a Ragged field, balance="items") trains as shown, its step count lowered."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.test_readme_snippet import ROOT, readme_snippet
-
-    code = readme_snippet("Ragged batches")
-    assert code.count("max_steps=10") == 1, "the snippet's Trainer line changed: update this test"
-    script = tmp_path / "vlm.py"
-    script.write_text(code.replace("max_steps=10", "max_steps=2"))
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=280)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_readme_snippet("Ragged batches", tmp_path, "max_steps=10", "max_steps=2")
     assert "`max_steps=2` reached" in out, out[-4000:]

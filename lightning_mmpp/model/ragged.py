@@ -108,7 +108,7 @@ class Ragged:
     def to(self, *args: Any, **kwargs: Any) -> "Ragged":
         """``values`` and ``counts`` moved like ``Tensor.to`` (a device moves both; a dtype converts
         ``values`` only), so Lightning's batch transfer moves a ``Ragged`` to the device."""
-        counts_args = [a for a in args if not isinstance(a, torch.dtype)]
+        counts_args = [a.device if isinstance(a, Tensor) else a for a in args if not isinstance(a, torch.dtype)]
         counts_kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
         return Ragged._unchecked(self.values.to(*args, **kwargs), self.counts.to(*counts_args, **counts_kwargs))
 
