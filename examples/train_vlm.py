@@ -21,11 +21,21 @@ both as ``.safetensors`` in their libraries' own key names. ``pretrained=`` with
 renames those keys into the pipelined ``nn.Sequential`` names; each rank reads only its own
 tensors. The projector has no pretrained weights: ``materialize`` initialises it from the seed.
 
-The data are synthetic but learnable: an image shows a bright square at one of 8 positions and
-the caption (3 to 8 tokens, padded) counts up from that position, so the first caption token
-needs the image and the rest follow from the text. The loss is the causal-LM cross-entropy
-over the caption tokens, with padding ignored, in the per-token form (``loss_sum`` and
-``num_tokens``): the strategy divides by the global token count of the step.
+Each sample carries 0, 1 or 2 images: the ``collate_fn`` packs them with ``Ragged.from_list``
+into ``batch["images"]`` (``values`` every image of the batch, ``counts`` the images per
+sample), and the strategy splits microbatches by sample. ``vision`` returns that ``Ragged`` from
+``pipeline_inputs``, so the encoder's layers see the packed images and its output travels on as
+``Ragged([n_images, PATCHES, width], counts)``; ``proj`` passes it on the same way. The LM's
+``pipeline_inputs`` lays its samples' image tokens into ``MAX_IMAGES`` fixed slots of
+``PATCHES`` tokens (image k in slot k, empty slots masked out) before the caption, so the
+caption starts at the same position for every sample and microbatch.
+
+The data are synthetic but learnable: each image shows a bright square at one of 8 positions;
+the caption (3 to 8 tokens, padded) names each image's position in order, or starts with a
+``NO_IMAGE`` token when the sample has none, then counts up from its last token. So the first
+caption tokens need the images and the rest follow from the text. The loss is the causal-LM
+cross-entropy over the caption tokens, with padding ignored, in the per-token form
+(``loss_sum`` and ``num_tokens``): the strategy divides by the global token count of the step.
 """
 
 from __future__ import annotations
@@ -42,15 +52,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PretrainedWeights
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PretrainedWeights, Ragged
 
 IMAGE = 16
 PATCH = 4
 PATCHES = (IMAGE // PATCH) ** 2
 POSITIONS = 8
+MAX_IMAGES = 2  # images per sample: 0, 1 or 2
+PREFIX = MAX_IMAGES * PATCHES  # image-token slots before the caption: image k in slot k
 MAX_TEXT = 8
 PAD, BOS = 0, 1
 VOCAB = 32
+NO_IMAGE = VOCAB - 1  # the caption of a sample without an image starts with this token
+COUNT = VOCAB - 3  # caption tokens 2 .. VOCAB - 2 count up modulo COUNT
 
 
 def _extras() -> tuple[Any, Any, Any]:
@@ -78,7 +92,7 @@ def llama_config(width: int, layers: int, tie: bool = True) -> Any:
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
         num_attention_heads=max(1, width // 16), num_key_value_heads=max(1, width // 32),
-        max_position_embeddings=PATCHES + MAX_TEXT, tie_word_embeddings=tie, attn_implementation="sdpa",
+        max_position_embeddings=PREFIX + MAX_TEXT, tie_word_embeddings=tie, attn_implementation="sdpa",
     )
 
 
@@ -108,12 +122,15 @@ class VisionLayer(nn.Module):
         self.layer = SiglipEncoderLayer(config)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == 0:  # no image in this microbatch: Hugging Face's attention cannot view zero rows
+            return h
         out = self.layer(h, attention_mask=None)
         return out[0] if isinstance(out, tuple) else out
 
 
 class TokenEmbed(nn.Module):
-    """Image tokens (from the projector) followed by the embedded caption; carries the padding mask."""
+    """The image-token slots (from the projector) followed by the embedded caption; carries the
+    padding mask (empty image slots and caption padding are 0)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -122,7 +139,7 @@ class TokenEmbed(nn.Module):
     def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         text = self.embed_tokens(x["ids"])
         h = torch.cat([x["image"].to(text.dtype), text], dim=1)
-        mask = torch.cat([torch.ones_like(x["mask"][:, :1]).expand(-1, x["image"].shape[1]), x["mask"]], dim=1)
+        mask = torch.cat([x["image_mask"], x["mask"]], dim=1)
         return {"h": h, "mask": mask}
 
 
@@ -130,7 +147,9 @@ class DecoderLayer(nn.Module):
     """A Hugging Face ``LlamaDecoderLayer`` on the dict that crosses stage boundaries.
 
     Rotary position embeddings are computed per forward (no buffer to materialise); the causal
-    and padding masks become one boolean attention mask.
+    and padding masks become one boolean attention mask. Every position also attends to itself,
+    so a padded position that precedes every real token (a sample without an image) has a
+    finite output; real positions never attend to padding.
     """
 
     def __init__(self, config: Any, index: int) -> None:
@@ -149,6 +168,7 @@ class DecoderLayer(nn.Module):
             cos, sin = rotary_cls(config)(h, positions)
         causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
         attend = causal[None, None] & mask.bool()[:, None, None, :]
+        attend = attend | torch.eye(length, dtype=torch.bool, device=h.device)
         out = self.layer(h, attention_mask=attend, position_ids=positions, position_embeddings=(cos, sin))
         return {"h": out[0] if isinstance(out, tuple) else out, "mask": mask}
 
@@ -169,7 +189,8 @@ class LMHead(nn.Module):
 
 
 class VisionLanguageModel(L.LightningModule):
-    """``vision`` (frozen SigLIP encoder) -> ``proj`` (projector) -> ``llm`` (Llama decoder layers)."""
+    """``vision`` (frozen SigLIP encoder) -> ``proj`` (projector) -> ``llm`` (Llama decoder layers),
+    on 0 to ``MAX_IMAGES`` images per sample."""
 
     pipeline_topology = {"vision": ["proj"], "proj": ["llm"], "llm": []}
 
@@ -198,12 +219,13 @@ class VisionLanguageModel(L.LightningModule):
         if config.tie_word_embeddings:  # the PyTorch idiom; the two ends land on different stages
             self.llm[-1].lm_head.weight = self.llm[0].embed_tokens.weight
 
-    def pipeline_inputs(self, module: str, batch: dict[str, torch.Tensor], upstream: dict[str, Any]) -> Any:
+    def pipeline_inputs(self, module: str, batch: dict[str, Any], upstream: dict[str, Any]) -> Any:
         if module == "vision":
-            return batch["image"]
+            return batch["images"]  # a Ragged: the encoder's layers see the packed images
         if module == "proj":
-            return upstream["vision"]
-        return {"image": upstream["proj"], "ids": batch["ids"], "mask": batch["mask"]}
+            return upstream["vision"]  # Ragged([n_images, PATCHES, width], counts): one row per image
+        image, image_mask = image_slots(upstream["proj"])
+        return {"image": image, "image_mask": image_mask, "ids": batch["ids"], "mask": batch["mask"]}
 
     def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-token causal-LM loss: summed here, divided by the step's global token count.
@@ -212,7 +234,7 @@ class VisionLanguageModel(L.LightningModule):
         ``{"loss_sum", "num_tokens"}`` makes the step's loss the mean over all its tokens, as on one
         process. ``correct_sum`` becomes the token accuracy the same way.
         """
-        text = logits[:, PATCHES:-1].float()  # position t predicts caption token t + 1
+        text = logits[:, PREFIX:-1].float()  # position t predicts caption token t + 1
         labels = batch["ids"][:, 1:].masked_fill(batch["mask"][:, 1:] == 0, -100)
         loss_sum = F.cross_entropy(text.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
         valid = labels != -100
@@ -228,6 +250,29 @@ class VisionLanguageModel(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+def image_slots(features: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM's image prefix from the projected images of a microbatch's samples.
+
+    ``features`` holds ``[sum(n_i), PATCHES, width]``: sample ``i``'s image ``k`` goes to slot
+    ``k`` (positions ``k * PATCHES .. (k + 1) * PATCHES - 1``), the same layout for every sample
+    and microbatch, so the caption always starts at ``PREFIX``. Returns the ``[samples, PREFIX,
+    width]`` tokens (zeros in empty slots; differentiable in ``features.values``) and their
+    ``[samples, PREFIX]`` mask (1 where an image is).
+    """
+    values = features.values
+    counts = features.counts.to(values.device)
+    if features.num_samples and int(counts.max()) > MAX_IMAGES:
+        raise ValueError(f"a sample has {int(counts.max())} images; this model has {MAX_IMAGES} image slots")
+    samples = features.num_samples
+    owner = torch.repeat_interleave(torch.arange(samples, device=values.device), counts)
+    first = torch.cumsum(counts, 0) - counts  # the row of each sample's first image
+    slot = torch.arange(values.shape[0], device=values.device) - first[owner]
+    tokens = values.new_zeros(samples, MAX_IMAGES, *values.shape[1:]).index_put((owner, slot), values)
+    present = torch.arange(MAX_IMAGES, device=values.device) < counts.unsqueeze(1)
+    mask = present.long().repeat_interleave(PATCHES, dim=1)
+    return tokens.flatten(1, 2), mask
 
 
 # --- pretrained files (what a download would leave), and their key maps ---------------------
@@ -303,17 +348,29 @@ def pretrained_sources(paths: dict[str, Path], layers: int, vision_layers: int) 
 
 
 class SyntheticCaptions(Dataset):
+    """Samples with 0, 1 or 2 images, each a bright square at one of ``POSITIONS`` places.
+
+    The caption (after ``BOS``) names each image's position in order, or starts with ``NO_IMAGE``
+    when there is none, then counts up from the last token; 3 to ``MAX_TEXT`` tokens, padded.
+    """
+
     def __init__(self, size: int, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.position = torch.randint(0, POSITIONS, (size,), generator=g)
-        self.images = 0.3 * torch.randn(size, 3, IMAGE, IMAGE, generator=g)
-        for i, p in enumerate(self.position.tolist()):
-            r, c = divmod(p, 4)
-            self.images[i, :, r * 8:(r + 1) * 8, c * 4:(c + 1) * 4] += 1.0
+        counts = torch.randint(0, MAX_IMAGES + 1, (size,), generator=g)
         lengths = torch.randint(3, MAX_TEXT + 1, (size,), generator=g)
-        steps = torch.arange(MAX_TEXT - 1)
-        caption = 2 + (self.position.unsqueeze(1) + steps) % (VOCAB - 2)
-        self.ids = torch.cat([torch.full((size, 1), BOS), caption], dim=1)
+        self.images: list[torch.Tensor] = []
+        self.ids = torch.full((size, MAX_TEXT), PAD)
+        for i, n in enumerate(counts.tolist()):
+            positions = torch.randint(0, POSITIONS, (n,), generator=g).tolist()
+            images = 0.3 * torch.randn(n, 3, IMAGE, IMAGE, generator=g)
+            for k, p in enumerate(positions):
+                r, c = divmod(p, 4)
+                images[k, :, r * 8:(r + 1) * 8, c * 4:(c + 1) * 4] += 1.0
+            self.images.append(images)
+            body = [2 + p for p in positions] if positions else [NO_IMAGE]
+            start = positions[-1] + 1 if positions else 0
+            tail = [2 + (start + t) % COUNT for t in range(MAX_TEXT - 1 - len(body))]
+            self.ids[i] = torch.tensor([BOS, *body, *tail])
         self.mask = (torch.arange(MAX_TEXT) < lengths.unsqueeze(1)).long()
         self.ids = self.ids.masked_fill(self.mask == 0, PAD)
 
@@ -321,12 +378,21 @@ class SyntheticCaptions(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"image": self.images[i], "ids": self.ids[i], "mask": self.mask[i]}
+        return {"images": self.images[i], "ids": self.ids[i], "mask": self.mask[i]}
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Stack the captions; pack the images (``n_i`` per sample, zeros allowed) into a ``Ragged``."""
+    return {
+        "images": Ragged.from_list([s["images"] for s in samples]),
+        "ids": torch.stack([s["ids"] for s in samples]),
+        "mask": torch.stack([s["mask"] for s in samples]),
+    }
 
 
 def make_loader(batch_size: int, batches: int, seed: int = 0, shuffle: bool = True) -> DataLoader:
     return DataLoader(SyntheticCaptions(batch_size * batches, seed), batch_size=batch_size, shuffle=shuffle,
-                      drop_last=True)
+                      drop_last=True, collate_fn=collate)
 
 
 def placements() -> dict[str, ModulePlacement]:

@@ -1,4 +1,5 @@
-"""examples/train_vlm.py: Hugging Face SigLIP + Llama layers, pretrained files, meta build.
+"""examples/train_vlm.py: Hugging Face SigLIP + Llama layers, pretrained files, meta build,
+0 to 2 images per sample (a ``Ragged``).
 
 Needs the ``examples`` extra (safetensors, transformers); skipped
 cleanly without it. CI installs it (scripts/install.sh test,examples).
@@ -62,6 +63,9 @@ def _pipelined(rank, world, paths):
 @pytest.mark.distributed
 def test_vlm_example_matches_one_process(tmp_path):
     paths = vlm.write_pretrained(tmp_path, **SIZE)
+    # the batches are ragged: 0, 1 or 2 images per sample, packed by sample
+    counts = torch.cat([b["images"].counts for b in vlm.make_loader(8, STEPS, shuffle=False)])
+    assert set(counts.tolist()) == {0, 1, 2}
     # one process: the same meta build, materialize, the same pretrained files
     L.seed_everything(0, verbose=False)
     reference = vlm.VisionLanguageModel(**SIZE)
