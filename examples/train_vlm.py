@@ -395,6 +395,11 @@ def make_loader(batch_size: int, batches: int, seed: int = 0, shuffle: bool = Tr
                       drop_last=True, collate_fn=collate)
 
 
+def sample_batch(batch_size: int) -> dict[str, Any]:
+    """One collated batch: what ``python -m lightning_mmpp.plan`` profiles the model on."""
+    return next(iter(make_loader(batch_size, 1, shuffle=False)))
+
+
 def placements() -> dict[str, ModulePlacement]:
     return {
         "vision": ModulePlacement(),  # rank 0

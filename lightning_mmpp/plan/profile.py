@@ -27,6 +27,7 @@ from torch import nn
 from lightning_mmpp import torch_api as pytree
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
+from lightning_mmpp.model.ragged import run_ragged
 from lightning_mmpp.model.partition import _layer_container, named_layers
 from lightning_mmpp.plan.costs import LayerProfile, ModelProfile, ModuleProfile
 from lightning_mmpp.core.topology import ModuleTopology
@@ -190,9 +191,16 @@ def profile_model(
         for module in topo.order:
             x = lightning_module.pipeline_inputs(module, batch, {u: outputs[u] for u in topo.upstream(module)})
             trains = module not in no_backward
-            modules[module], outputs[module] = _profile_module(
-                lightning_module, module, x, trains, bool(topo.upstream(module)), repeats, device, samples, seed
-            )
+
+            def profile(inputs: Any, module: str = module, trains: bool = trains) -> Any:
+                modules[module], out = _profile_module(
+                    lightning_module, module, inputs, trains, bool(topo.upstream(module)), repeats, device, samples,
+                    seed,
+                )
+                return out
+
+            # a Ragged input: the layers see the packed items, the output travels on with its counts
+            outputs[module] = run_ragged(profile, x, f"module {module!r}")
     finally:
         lightning_module.train(was_training)
     default_bw, default_latency = default_link(str(device))
