@@ -582,7 +582,7 @@ def test_overlap_that_is_not_a_colocation(a, b, rank):
     msg = layout_error({"a": a, "b": b}, {"a": ["b"], "b": []})
     assert "modules 'a'" in msg and "and 'b'" in msg
     assert f"overlap on rank {rank}" in msg
-    assert "Colocated modules need the same rank_offset, pp and dp" in msg
+    assert "Colocated modules need the same rank_offset, pp, dp and tp" in msg
     assert "disjoint rank ranges" in msg
 
 
@@ -677,3 +677,48 @@ def test_module_beside_a_stage_declared_before_the_owner_covers_every_rank():
     assert layout.world_size == 2
     assert [s.module for s in layout.slots(0)] == ["enc", "llm"]
     assert [(s.module, s.stage) for s in layout.slots(1)] == [("llm", 1)]
+
+
+# --- tensor parallelism -----------------------------------------------------------------------
+
+
+def test_tp_ranks_are_consecutive_inside_a_dp_by_tp_stage_mesh():
+    layout = PipelineLayout(
+        {"enc": P(pp=1, dp=2), "llm": P(pp=2, dp=2, tp=2)}, {"enc": ["llm"], "llm": []}
+    )
+    assert layout.world_size == 2 + 8 and P(pp=2, dp=2, tp=2).size == 8
+    # llm at offset 2: stage 0 replica 0 = ranks 2-3, replica 1 = 4-5; stage 1 = 6-7, 8-9
+    assert layout.slots(3) == (StageSlot("llm", 0, 0, 1),)
+    assert layout.slots(8) == (StageSlot("llm", 1, 1, 0),)
+    assert layout.stage_mesh("llm", 1) == ((6, 7), (8, 9))
+    assert layout.tp_group("llm", 0, 1) == (4, 5)
+    assert layout.tp_groups() == ((2, 3), (4, 5), (6, 7), (8, 9))
+    assert layout.dp_group("llm", 0, 1) == (3, 5)
+    assert (2, 4) in layout.dp_groups() and (3, 5) in layout.dp_groups() and (0, 1) in layout.dp_groups()
+    assert [layout.tp_lead(r) for r in range(10)] == [0, 1, 2, 2, 4, 4, 6, 6, 8, 8]
+    assert layout.scheduled_slots(3) == () and layout.scheduled_slots(2) == layout.slots(2)
+    # pipeline peers are tp leads: enc replica j feeds the lead of llm replica j
+    assert layout.bridge_targets("enc", "llm", 1) == (BridgePeer(4, 0, 1),)
+    assert layout.pp_next(layout.slot(4, "llm")) == 8
+    assert layout.forward_sources(layout.slot(6, "llm")) == (("llm", BridgePeer(2, 0, 1)),)
+    assert "tp" in layout.table().splitlines()[0] and "1/2" in layout.table()
+
+
+def test_tp_one_changes_nothing():
+    placements = {"a": P(pp=2, dp=2), "b": P(pp=1, dp=1)}
+    layout = PipelineLayout(placements, {"a": ["b"], "b": []})
+    assert layout.tp_groups() == () and "tp" not in layout.table().splitlines()[0]
+    assert [layout.rank_of("a", s, j) for s in range(2) for j in range(2)] == [0, 1, 2, 3]
+
+
+def test_tp_colocation_needs_the_same_tp():
+    msg = layout_error({"a": P(pp=1, dp=1, tp=2, rank_offset=0), "b": P(pp=1, dp=1, rank_offset=0)},
+                       {"a": ["b"], "b": []})
+    assert "tp=2" in msg and "same rank_offset, pp, dp and tp" in msg
+    ok = PipelineLayout({"llm": P(pp=2, tp=2), "proj": P(pp=1, tp=2, rank_offset=2)}, {"proj": ["llm"], "llm": []})
+    assert [s.module for s in ok.slots(3)] == ["proj", "llm"] and ok.slot(3, "llm").tp_index == 1
+
+
+@pytest.mark.parametrize("tp", [0, -1, 1.5, True])
+def test_tp_must_be_a_positive_integer(tp):
+    assert "tp must be an integer >= 1" in placement_error(tp=tp)

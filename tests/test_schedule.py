@@ -709,3 +709,18 @@ def test_zero_bubble_forward_only_and_bad_memory():
     layout = two_encoders()
     cheap_w = build_schedule(layout, 6, "zero_bubble", costs=PhaseCosts(weight=0.25, lone_weight=0.25))
     validate_schedule(cheap_w, layout)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zero_bubble"])
+def test_tp_groups_are_scheduled_through_their_leads(name):
+    """The pipeline plans one unit per tp group (its lead); the other ranks' lists stay empty
+    (they run their lead's), and the simulator accepts the result."""
+    from lightning_mmpp.core.simulator import validate_schedule
+
+    layout = PipelineLayout(
+        {"enc": ModulePlacement(pp=1, dp=2), "llm": ModulePlacement(pp=2, tp=2)}, {"enc": ["llm"], "llm": []}
+    )
+    schedule = build_schedule(layout, 4, name)
+    assert [bool(schedule.for_rank(r)) for r in range(6)] == [True, True, True, False, True, False]
+    assert {t.peer for a in schedule.for_rank(0) if isinstance(a, Exchange) for t in a.sends} == {2}
+    validate_schedule(schedule, layout)

@@ -3,9 +3,16 @@
 Everything here is computed from the placements and the topology alone, for any world size,
 without starting processes.
 
-Within a module's rank range the dp replica varies fastest (Megatron's order): a module with
-``pp=2, dp=2`` at offset 4 puts stage 0 on ranks 4 (replica 0) and 5 (replica 1), stage 1 on
-ranks 6 and 7.
+Within a module's rank range the tp index varies fastest, then the dp replica (Megatron's
+order): a module with ``pp=2, dp=2`` at offset 4 puts stage 0 on ranks 4 (replica 0) and 5
+(replica 1), stage 1 on ranks 6 and 7; with ``tp=2`` as well, stage 0 replica 0 is ranks 4-5
+(tp 0, 1), replica 1 ranks 6-7, stage 1 ranks 8-11. A stage's ranks form a dp x tp mesh.
+
+Tensor parallelism: the ranks of one tp group (one stage, one replica) compute together and
+hold replicated inputs and outputs, so the pipeline sees each tp group as one unit, its *tp
+lead* (tp index 0): schedules, bridges and peers are planned between leads
+(:meth:`PipelineLayout.scheduled_slots`), and the other ranks of a group follow their lead's
+actions, taking what it receives by a broadcast inside the group.
 
 Bridges: on a DAG edge ``u -> d`` the last stage of ``u`` feeds the first stage of ``d``.
 With ``dp_u == dp_d`` replica j feeds replica j. With ``dp_u = r * dp_d`` (fan-in) replicas
@@ -53,6 +60,8 @@ class ModulePlacement:
             replicas with FSDP2 (:mod:`lightning_mmpp.engine.sharding`); needs ``dp >= 2``.
         recompute: run each layer under activation checkpointing, so an in-flight microbatch
             keeps only its layer inputs; the layers run their forward again in the backward.
+        tp: tensor-parallel ranks of every replica of every stage (consecutive ranks); the
+            model's ``pipeline_parallelize`` hook splits each layer over them.
         balance: how a microbatch's samples are assigned to the module's dp replicas:
             ``"samples"`` (equal contiguous shards, replica j taking shard j) or ``"items"``
             (contiguous shards balanced by the item counts of the batch's ``Ragged`` fields, so
@@ -70,6 +79,7 @@ class ModulePlacement:
     batch_dim: int = 0
     shard: bool = False
     recompute: bool = False
+    tp: int = 1
     balance: str = "samples"
 
     def __post_init__(self) -> None:
@@ -86,7 +96,7 @@ class ModulePlacement:
                 f"ModulePlacement(pp={self.pp}, dp={self.dp}, shard=True): with dp=1 there is nothing to shard over; "
                 "give the module dp >= 2 or drop shard=True (recompute=True cuts activation memory on one replica)."
             )
-        for name in ("pp", "dp"):
+        for name in ("pp", "dp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PipelineConfigError(f"ModulePlacement({name}={value!r}): {name} must be an integer >= 1.")
@@ -116,9 +126,14 @@ class ModulePlacement:
             raise PipelineConfigError(f"ModulePlacement(batch_dim={self.batch_dim!r}): batch_dim must be an integer.")
 
     @property
+    def shape(self) -> str:
+        """``"pp=.., dp=.."`` (and ``", tp=.."`` when tp > 1), for messages."""
+        return f"pp={self.pp}, dp={self.dp}" + (f", tp={self.tp}" if self.tp > 1 else "")
+
+    @property
     def size(self) -> int:
         """Number of ranks the module occupies."""
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,7 @@ class StageSlot:
     module: str
     stage: int
     replica: int
+    tp_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,9 +164,10 @@ def _beside_one_stage(offset_a: int, a: ModulePlacement, offset_b: int, b: Modul
     """Whether one of two overlapping modules is a ``pp=1`` module on exactly the ranks of one
     stage of the other (same dp): an adapter or projector beside, say, the LM's first stage."""
     for (o_small, small), (o_big, big) in (((offset_a, a), (offset_b, b)), ((offset_b, b), (offset_a, a))):
-        if small.pp == 1 and small.dp == big.dp and big.pp > 1:
+        if small.pp == 1 and (small.dp, small.tp) == (big.dp, big.tp) and big.pp > 1:
             shift = o_small - o_big
-            if shift % big.dp == 0 and 0 <= shift // big.dp < big.pp:
+            width = big.dp * big.tp
+            if shift % width == 0 and 0 <= shift // width < big.pp:
                 return True
     return False
 
@@ -212,7 +229,8 @@ class PipelineLayout:
             placement = self.placements[module]
             for stage in range(placement.pp):
                 for replica in range(placement.dp):
-                    slots[self.rank_of(module, stage, replica)].append(StageSlot(module, stage, replica))
+                    for t in range(placement.tp):
+                        slots[self.rank_of(module, stage, replica, t)].append(StageSlot(module, stage, replica, t))
         return {r: tuple(s) for r, s in slots.items()}
 
     def _check_bridges(self) -> None:
@@ -271,18 +289,19 @@ class PipelineLayout:
         """Raise unless the placements cover exactly ``world_size`` ranks."""
         if world_size != self.world_size:
             needs = ", ".join(
-                f"{m}: {p.pp}x{p.dp} at rank {self.offsets[m]}" for m, p in self.placements.items()
+                f"{m}: {p.pp}x{p.dp}{f'x{p.tp}' if p.tp > 1 else ''} at rank {self.offsets[m]}" for m, p in self.placements.items()
             )
             raise PipelineConfigError(
                 f"the placements need {self.world_size} ranks ({needs}) but the world has {world_size}. "
-                f"Launch with devices={self.world_size} (x num_nodes) or change pp/dp."
+                f"Launch with devices={self.world_size} (x num_nodes) or change pp/dp/tp."
             )
 
-    def rank_of(self, module: str, stage: int, replica: int) -> int:
+    def rank_of(self, module: str, stage: int, replica: int, tp_index: int = 0) -> int:
+        """The rank of one (stage, replica, tp index) of ``module``; tp index 0 is the group's lead."""
         placement = self.placements[module]
-        if not (0 <= stage < placement.pp and 0 <= replica < placement.dp):
-            raise IndexError(f"{module!r} has no stage {stage} replica {replica}")
-        return self.offsets[module] + stage * placement.dp + replica
+        if not (0 <= stage < placement.pp and 0 <= replica < placement.dp and 0 <= tp_index < placement.tp):
+            raise IndexError(f"{module!r} has no stage {stage} replica {replica} tp index {tp_index}")
+        return self.offsets[module] + (stage * placement.dp + replica) * placement.tp + tp_index
 
     def module_ranks(self, module: str) -> range:
         return range(self.offsets[module], self.offsets[module] + self.placements[module].size)
@@ -293,6 +312,24 @@ class PipelineLayout:
 
     def slot(self, rank: int, module: str) -> Optional[StageSlot]:
         return next((s for s in self._slots[rank] if s.module == module), None)
+
+    def tp_index(self, rank: int) -> int:
+        """The rank's index in its tp groups (0 on a tp lead, and wherever ``tp == 1``). Modules
+        that share a rank have the same ``tp``, so the index is the same for all of them."""
+        return self._slots[rank][0].tp_index
+
+    def tp_lead(self, rank: int) -> int:
+        """The rank whose pipeline actions ``rank`` runs: the first rank of its tp group."""
+        return rank - self.tp_index(rank)
+
+    def scheduled_slots(self, rank: int) -> tuple[StageSlot, ...]:
+        """The slots the schedule plans for ``rank``: all of them on a tp lead, none on the other
+        ranks of a tp group (they run their lead's actions)."""
+        return self._slots[rank] if self.tp_index(rank) == 0 else ()
+
+    @property
+    def max_tp(self) -> int:
+        return max(p.tp for p in self.placements.values())
 
     def is_first_stage(self, slot: StageSlot) -> bool:
         return slot.stage == 0
@@ -329,19 +366,39 @@ class PipelineLayout:
             return None
         return self.rank_of(slot.module, slot.stage + 1, slot.replica)
 
-    def dp_group(self, module: str, stage: int) -> tuple[int, ...]:
-        """Ranks holding the replicas of one stage of a module, in replica order."""
-        return tuple(self.rank_of(module, stage, j) for j in range(self.placements[module].dp))
+    def dp_group(self, module: str, stage: int, tp_index: int = 0) -> tuple[int, ...]:
+        """Ranks holding the replicas of one stage of a module at one tp index, in replica order."""
+        return tuple(self.rank_of(module, stage, j, tp_index) for j in range(self.placements[module].dp))
 
     def dp_groups(self) -> tuple[tuple[int, ...], ...]:
         """Every distinct dp group with more than one rank, sorted (the order to create them in)."""
         groups = {
-            self.dp_group(m, s)
+            self.dp_group(m, s, t)
             for m, p in self.placements.items()
             for s in range(p.pp)
+            for t in range(p.tp)
             if p.dp > 1
         }
         return tuple(sorted(groups))
+
+    def tp_group(self, module: str, stage: int, replica: int) -> tuple[int, ...]:
+        """Ranks of one replica of one stage of a module (consecutive), in tp order."""
+        return tuple(self.rank_of(module, stage, replica, t) for t in range(self.placements[module].tp))
+
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every distinct tp group with more than one rank, sorted (the order to create them in)."""
+        groups = {
+            self.tp_group(m, s, j)
+            for m, p in self.placements.items()
+            for s in range(p.pp)
+            for j in range(p.dp)
+            if p.tp > 1
+        }
+        return tuple(sorted(groups))
+
+    def stage_mesh(self, module: str, stage: int) -> tuple[tuple[int, ...], ...]:
+        """The ranks of one stage as a dp x tp grid: row j is replica j's tp group."""
+        return tuple(self.tp_group(module, stage, j) for j in range(self.placements[module].dp))
 
     def bridge_targets(self, up: str, down: str, replica: int) -> tuple[BridgePeer, ...]:
         """Receivers of the last stage of ``up`` replica ``replica`` on edge ``up -> down``."""
@@ -417,7 +474,8 @@ class PipelineLayout:
         runtime's schedules use unless the strategy or engine was given ``stage_numbering="asap"``.
         """
         numbering = Numbering.parse(numbering)
-        rows = [("rank", "module", "stage", "replica", "global-stage")]
+        with_tp = self.max_tp > 1
+        rows = [("rank", "module", "stage", "replica") + (("tp",) if with_tp else ()) + ("global-stage",)]
         for rank in range(self.world_size):
             for slot in self._slots[rank]:
                 p = self.placements[slot.module]
@@ -426,6 +484,7 @@ class PipelineLayout:
                     slot.module,
                     f"{slot.stage}/{p.pp}",
                     f"{slot.replica}/{p.dp}",
+                    *((f"{slot.tp_index}/{p.tp}",) if with_tp else ()),
                     str(self.stage_index(slot.module, slot.stage, numbering)),
                 ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -456,14 +515,13 @@ def assign_offsets(placements: Mapping[str, ModulePlacement]) -> dict[str, int]:
                 owner[rank] = module
                 continue
             a, b = placements[other], placement
-            same_ranks = (offsets[other], a.pp, a.dp) == (offsets[module], b.pp, b.dp)
+            same_ranks = (offsets[other], a.pp, a.dp, a.tp) == (offsets[module], b.pp, b.dp, b.tp)
             if not same_ranks and not _beside_one_stage(offsets[other], a, offsets[module], b):
                 raise PipelineConfigError(
-                    f"modules {other!r} (ranks {offsets[other]}-{offsets[other] + a.size - 1}, pp={a.pp}, "
-                    f"dp={a.dp}) and {module!r} (ranks {offsets[module]}-{offsets[module] + b.size - 1}, "
-                    f"pp={b.pp}, dp={b.dp}) overlap on rank {rank}. Colocated modules need the same "
-                    "rank_offset, pp and dp, or a pp=1 module with the other's dp on exactly the ranks of "
-                    "one of its stages; otherwise give them disjoint rank ranges."
+                    f"modules {other!r} (ranks {offsets[other]}-{offsets[other] + a.size - 1}, {a.shape}) and "
+                    f"{module!r} (ranks {offsets[module]}-{offsets[module] + b.size - 1}, {b.shape}) overlap on rank {rank}. Colocated modules need the same "
+                    "rank_offset, pp, dp and tp, or a pp=1 module with the other's dp and tp on exactly the "
+                    "ranks of one of its stages; otherwise give them disjoint rank ranges."
                 )
     world = max(offsets[m] + p.size for m, p in placements.items())
     empty = [r for r in range(world) if r not in owner]
@@ -482,10 +540,13 @@ def placements_world_size(placements: Mapping[str, ModulePlacement]) -> int:
 
 
 def placements_table(placements: Mapping[str, ModulePlacement]) -> str:
-    """One line per module: its ranks, pp and dp (what is known before the topology)."""
+    """One line per module: its ranks, pp and dp, and tp when a module has tp > 1 (what is known
+    before the topology)."""
     offsets = assign_offsets(placements)
-    rows = [("module", "ranks", "pp", "dp")]
+    with_tp = any(p.tp > 1 for p in placements.values())
+    rows = [("module", "ranks", "pp", "dp") + (("tp",) if with_tp else ())]
     for module, p in placements.items():
-        rows.append((module, f"{offsets[module]}-{offsets[module] + p.size - 1}", str(p.pp), str(p.dp)))
+        rows.append((module, f"{offsets[module]}-{offsets[module] + p.size - 1}", str(p.pp), str(p.dp))
+                    + ((str(p.tp),) if with_tp else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

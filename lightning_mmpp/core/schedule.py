@@ -225,7 +225,7 @@ class _Builder:
         self.m = m
         self.no_backward = no_backward
         self.units: dict[_Unit, StageSlot] = {
-            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.slots(rank)
+            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.scheduled_slots(rank)
         }
         self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.units.items()}
         self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.units.items()}
@@ -336,7 +336,7 @@ class _LockstepBuilder(_Builder):
         while not self._done():
             computes: list[tuple[_Unit, Phase, int]] = []
             for rank in range(world):
-                slots = layout.slots(rank)
+                slots = layout.scheduled_slots(rank)
                 for slot in reversed(slots):  # backwards first, downstream modules first
                     unit = (rank, slot.module)
                     if self._backward_ready(unit, tick):
@@ -479,7 +479,7 @@ class _TimedBuilder(_Builder):
         return k < self.next_f[unit] and self._grads_ready(unit, k, now)
 
     def _choose(self, rank: int, now: float) -> Optional[tuple[_Unit, Phase]]:
-        slots = self.layout.slots(rank)
+        slots = self.layout.scheduled_slots(rank)
         for slot in reversed(slots):  # downstream modules first
             if self._input_ready((rank, slot.module), now):
                 return (rank, slot.module), Phase.BACKWARD_INPUT

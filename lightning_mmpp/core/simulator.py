@@ -292,7 +292,7 @@ def _expected_transfers(layout: PipelineLayout, m: int, training: bool, no_backw
     """``(rank, "send" | "recv", transfer)`` of every transfer the layout prescribes for a step."""
     expected: Counter = Counter()
     for rank in range(layout.world_size):
-        for slot in layout.slots(rank):
+        for slot in layout.scheduled_slots(rank):
             for k in range(m):
                 for dst, peer in layout.forward_targets(slot):
                     key = MessageKey(Direction.FORWARD, slot.module, dst, k)
@@ -326,7 +326,7 @@ class _RankCheck:
         self.posted = posted
         self.m = schedule.num_microbatches
         self.training = not schedule.forward_only
-        self.held = {s.module: s for s in layout.slots(rank)}
+        self.held = {s.module: s for s in layout.scheduled_slots(rank)}
         self.arrived: Counter = Counter()  # (direction, module, k) -> transfers received
         self.done: dict[tuple[str, int], list[Phase]] = defaultdict(list)
         self.message_exchange: dict[tuple[str, MessageKey], int] = {}
