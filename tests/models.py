@@ -227,3 +227,94 @@ class BatchRecorder(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.seen.append(batch["idx"].tolist())
+
+
+# --- tensor parallelism -----------------------------------------------------------------------
+
+HEADS = 2
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; the head count is read from the (possibly tp-split) q."""
+
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, HIDDEN // heads
+        # no key bias: it shifts every score of a query alike, so its exact gradient is zero and
+        # Adam would amplify rounding noise into updates
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN, bias=name != "k") for name in "qkvo")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = (proj(h).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(att.transpose(1, 2).reshape(b, s, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(h)))
+
+
+class TransformerBlock(nn.Module):
+    """``Block``'s interface (a dict of float activations and token ids) around attention + MLP."""
+
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.attn = Attention(heads)
+        self.mlp = Mlp()
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        h = x["h"] + self.emb(x["ids"])
+        h = h + self.attn(self.norm(h))
+        h = h + self.mlp(h)
+        return {"h": h, "ids": x["ids"]}
+
+
+def block_plan() -> dict[str, Any]:
+    """The Megatron split of a transformer block: q/k/v and the MLP's up projection column-wise
+    (each tp rank holds whole heads and a slice of the hidden units), the output projections
+    row-wise (their partial sums all-reduced); the embedding and the norm stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+
+
+class TensorParallelModel(MultiModalModel):
+    """``MultiModalModel`` whose LM is transformer blocks, with a ``pipeline_parallelize`` hook:
+    the LM's blocks split per :func:`block_plan`, an encoder's first projection column-wise (its
+    output gathered) and its second linear row-wise (its input scattered)."""
+
+    def __init__(self, topology: Mapping[str, Sequence[str]], llm_layers: int = 4, lr: float = 0.1,
+                 optimizer: str = "sgd", freeze: Sequence[str] = (), scheduler: str | None = None,
+                 heads: int = HEADS) -> None:
+        super().__init__(topology, llm_layers, lr, optimizer, freeze, scheduler)
+        if "llm" in self.topology:
+            torch.manual_seed(4321)
+            self.llm = nn.Sequential(*[TransformerBlock(heads) for _ in range(llm_layers)], Head())
+
+    def pipeline_parallelize(self, module: str, index: int, layer: nn.Module, tp_mesh: Any) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from lightning_mmpp.errors import PipelineConfigError
+
+        if isinstance(layer, TransformerBlock):
+            if layer.attn.heads % tp_mesh.size():
+                raise PipelineConfigError(
+                    f"{module} layer {index}: {layer.attn.heads} attention heads do not split over tp="
+                    f"{tp_mesh.size()}; use a tp that divides the head count."
+                )
+            parallelize_module(layer, tp_mesh, block_plan())
+        elif isinstance(layer, Encoder):
+            parallelize_module(layer, tp_mesh, {"proj": ColwiseParallel(output_layouts=Replicate())})
+        elif module.startswith("enc") and isinstance(layer, nn.Linear):
+            parallelize_module(layer, tp_mesh, RowwiseParallel(input_layouts=Replicate()))

@@ -62,8 +62,9 @@ def _trainer_kwargs(devices: int, steps: int) -> dict:
     )
 
 
-def _reference(topology, batch_size: int, optimizer: str, clip: float | None, freeze=()) -> dict[str, torch.Tensor]:
-    model = MultiModalModel(topology, optimizer=optimizer, freeze=freeze)
+def _reference(topology, batch_size: int, optimizer: str, clip: float | None, freeze=(),
+               model_cls=MultiModalModel) -> dict[str, torch.Tensor]:
+    model = model_cls(topology, optimizer=optimizer, freeze=freeze)
     trainer = L.Trainer(**_trainer_kwargs(1, STEPS), gradient_clip_val=clip)
     trainer.fit(model, make_loader(topology, batch_size, batch_size * STEPS))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -84,10 +85,10 @@ class _FinalParameters(L.Callback):
 
 
 def _pipelined(rank, world, topology, placements, m, batch_size, optimizer, clip, schedules=SCHEDULES, freeze=(),
-               static_shapes=False):
+               static_shapes=False, model_cls=MultiModalModel):
     out = {}
     for schedule in schedules:
-        model = MultiModalModel(topology, optimizer=optimizer, freeze=freeze)
+        model = model_cls(topology, optimizer=optimizer, freeze=freeze)
         strategy = MultiModulePipelineStrategy(placements, topology, num_microbatches=m, schedule=schedule,
                                                static_shapes=static_shapes)
         final = _FinalParameters()

@@ -26,7 +26,9 @@ plus an all-gather of the parameters every step: twice the traffic for replicate
 :meth:`StageGradients.clip_norm_` clips by the norm of the *whole model's* gradient, over
 every module and rank: each rank measures what it counts (its replica-0 stages, whose
 replicas hold identical gradients after the sum, and the local shards of every sharded stage),
-one all-reduce sums the squares over the world, and every local gradient is scaled.
+one all-reduce sums the squares over the world, and every local gradient is scaled. In a tp
+group a parameter split over the group counts its shard on every tp rank, one replicated over
+it counts on the lead only (:func:`~lightning_mmpp.engine.tensor_parallel.counts_on_this_tp_rank`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 from lightning_mmpp.model.partition import StageRunner
 from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.engine.sharding import ShardedStage, local_tensor
+from lightning_mmpp.engine.tensor_parallel import counts_on_this_tp_rank
 
 __all__ = ["StageGradients"]
 
@@ -102,7 +105,7 @@ class _Reduction:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad for p in bucket.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in bucket.params if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -201,11 +204,12 @@ class StageGradients:
             everything.extend(params)
             placement = layout.placements[module]
             trainable = [p for p in params if p.requires_grad]
-            if placement.dp > 1 and not placement.shard and trainable:
-                reductions[module] = (groups[layout.dp_group(module, runner.stage)], trainable)
             slot = layout.slot(rank, module)
+            tp_index = slot.tp_index if slot is not None else 0
+            if placement.dp > 1 and not placement.shard and trainable:
+                reductions[module] = (groups[layout.dp_group(module, runner.stage, tp_index)], trainable)
             if placement.shard or (slot is not None and slot.replica == 0):
-                counted.extend(params)
+                counted.extend(p for p in params if counts_on_this_tp_rank(p, tp_index))
         skip = {id(p) for p in counted_elsewhere}
         counted = [p for p in dict.fromkeys(counted) if id(p) not in skip]
         return cls(reductions, counted, dict.fromkeys(everything), world_size, sharded, bucket_bytes, launch_in_backward)

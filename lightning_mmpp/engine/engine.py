@@ -49,7 +49,10 @@ from lightning_mmpp.engine.metrics import MetricReducer
 from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
 from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
-from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options
+from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options, replace_optimizer_parameters
+from lightning_mmpp.engine.tensor_parallel import (
+    StageMeshes, TensorParallelRelay, agree_on_errors, apply_tensor_parallel, check_tensor_parallel,
+)
 from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
@@ -167,6 +170,7 @@ class PipelineEngine:
         self.world_size = dist.get_world_size() if initialised else 1
         self.rank = dist.get_rank() if initialised else 0
         layout.check_world_size(self.world_size)
+        check_tensor_parallel(model, layout)
         self.layout = layout
         self.model = model
         self.num_microbatches = num_microbatches
@@ -182,6 +186,7 @@ class PipelineEngine:
         self._groups: list[Any] = []
 
         self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
+        self.tp_groups = {ranks: self._new_group(ranks) for ranks in layout.tp_groups()}
         if self.world_size > 1:
             dist.barrier()  # NCCL wants one collective before the first batched P2P
         built_here = not is_partitioned(model)  # else an earlier engine built (and agreed on) the stages
@@ -197,8 +202,10 @@ class PipelineEngine:
         self._groups += list(self.tie_groups.values())
         if built_here:
             self._agree_initial_values()
+        self.meshes = self._parallelize(optimizers) if layout.max_tp > 1 else None
         self.sharded = apply_memory_options(
-            layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers
+            layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers,
+            tp_index=layout.tp_index(self.rank), meshes=self.meshes,
         )
         self.no_backward_modules = layout.no_backward_modules(self.partition.frozen_modules)
         self.tracer: Tracer | Any = tracer_for(self.rank, trace_dir, nvtx=nvtx, device=self.device)
@@ -213,7 +220,10 @@ class PipelineEngine:
         self.batches = BatchSplitter(layout, self.rank, num_microbatches)
         self.metrics = MetricReducer(self.world_size, self.device)
         self.predictions = SinkOutputGatherer(layout, self.rank, self.device, self.world_size)
-        self.comm = MultiModuleCommunicator(layout, self.rank, self.device, static_specs=static_shapes)
+        self.comm: Any = MultiModuleCommunicator(layout, self.rank, self.device, static_specs=static_shapes)
+        tp_ranks = self._tp_ranks()
+        if len(tp_ranks) > 1:  # the lead's transfers, relayed inside the tp group
+            self.comm = TensorParallelRelay(self.comm, self.tp_groups[tp_ranks], tp_ranks, self.rank, self.device)
         self.failures = FailureBoard(layout, self.rank, self.world_size)
         self.failures.attach()
         self.runtime = PipelineRuntime(
@@ -228,6 +238,27 @@ class PipelineEngine:
         group = dist.new_group(list(ranks), timeout=self.timeout) if self.world_size > 1 else None
         self._groups.append(group)
         return group
+
+    def _tp_ranks(self) -> tuple[int, ...]:
+        """The ranks of this rank's tp group (every module on a rank has the same one)."""
+        slot = self.layout.slots(self.rank)[0]
+        return self.layout.tp_group(slot.module, slot.stage, slot.replica)
+
+    def _parallelize(self, optimizers: Sequence[torch.optim.Optimizer]) -> StageMeshes:
+        """Tensor parallelism: check what only the partition tells (tied parameters), build the
+        tp meshes and call the model's hook on every layer of this rank's tp stages; a failure on
+        any rank is raised on every rank."""
+        check_tensor_parallel(self.model, self.layout, [m for tie in self.partition.tied for m, _ in tie.owners])
+        meshes = StageMeshes(self.layout, self.rank, self.dp_groups, self.tp_groups, self.device)
+        error: Optional[BaseException] = None
+        replaced: dict[int, nn.Parameter] = {}
+        try:
+            replaced = apply_tensor_parallel(self.model, self.layout, self.partition.runners, meshes)
+        except Exception as err:  # noqa: BLE001 - raised on every rank just below
+            error = err
+        agree_on_errors(error, self.world_size)
+        replace_optimizer_parameters(optimizers, replaced)
+        return meshes
 
     def _partition(
         self, model: nn.Module, pretrained: Mapping[str, PretrainedSource], seed: Optional[int]
@@ -258,7 +289,7 @@ class PipelineEngine:
         if self.world_size == 1:
             return
         for module, runner in self.partition.runners.items():
-            ranks = self.layout.dp_group(module, runner.stage)
+            ranks = self.layout.dp_group(module, runner.stage, self.layout.tp_index(self.rank))
             if len(ranks) > 1:
                 for layer in runner.layers:
                     for tensor in [*layer.parameters(), *layer.buffers()]:
@@ -388,6 +419,8 @@ class PipelineEngine:
         divided by the global token count of the step (``None`` when no sink used that form).
         """
         local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+        if self.layout.tp_index(self.rank) > 0:  # the tp lead counts its group's (identical) values
+            local = {}
         reduced = self.metrics.reduce(local, kind)
         metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
         sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}

@@ -363,7 +363,7 @@ class PipelineRuntime:
             keep_sink_outputs: keep the sink stage outputs (for predict).
             compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
         """
-        actions = schedule.for_rank(self.rank)
+        actions = schedule.for_rank(self.layout.tp_lead(self.rank))  # a tp group runs its lead's actions
         self.comm.begin_step(not schedule.forward_only)
         split = {a.module for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
         step = _StepState(

@@ -167,11 +167,14 @@ def apply_memory_options(
     device: torch.device,
     precision: str,
     optimizers: Sequence[Any],
+    tp_index: int = 0,
+    meshes: Optional[Any] = None,
 ) -> dict[str, ShardedStage]:
     """Recompute and shard this rank's stages as their placements ask; return the sharded stages.
 
     Runs after the stages are built (materialised, pretrained values loaded) and on the device,
-    before the optimizer's first step; optimizers are pointed at the sharded parameters.
+    before the optimizer's first step; optimizers are pointed at the sharded parameters. ``meshes``
+    (:class:`~lightning_mmpp.engine.tensor_parallel.StageMeshes`) gives a tp stage's dp dimension.
     """
     tied_modules = sorted({module for tie in tied for module, _ in tie.owners if layout.placements[module].shard})
     if tied_modules:
@@ -189,7 +192,9 @@ def apply_memory_options(
             for layer in runner.layers:
                 enable_recompute(layer)
         if placement.shard:
-            mesh = dp_mesh(dp_groups[layout.dp_group(module, runner.stage)], device)
+            mesh = meshes.dp_mesh(module) if meshes is not None else None  # a tp stage's 2-D mesh
+            if mesh is None:
+                mesh = dp_mesh(dp_groups[layout.dp_group(module, runner.stage, tp_index)], device)
             sharded[module], new = shard_stage(runner, mesh, policy)
             replaced.update(new)
     if replaced:

@@ -37,11 +37,13 @@ class StageRunner:
     The output of layer i is the single argument of layer i+1, any pytree of tensors.
     """
 
-    def __init__(self, module: str, stage: int, layers: Sequence[nn.Module], layer_names: Sequence[str]) -> None:
+    def __init__(self, module: str, stage: int, layers: Sequence[nn.Module], layer_names: Sequence[str],
+                 first_layer: int = 0) -> None:
         self.module = module
         self.stage = stage
         self.layers = list(layers)
         self.layer_names = list(layer_names)
+        self.first_layer = first_layer  # the index of layers[0] in the whole module
 
     def __call__(self, x: Any) -> Any:
         for layer in self.layers:
@@ -183,7 +185,8 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
                 if i not in keep:
                     del container._modules[name]
         if slot is not None:
-            runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep])
+            runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep],
+                                 keep[0] if keep else 0)
             runners[module] = runner
             owned.update(id(p) for p in runner.parameters())
     held = {id(p): p for runner in runners.values() for p in runner.parameters()}
