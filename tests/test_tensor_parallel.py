@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy
 from lightning_mmpp.errors import PipelineConfigError
@@ -68,3 +69,93 @@ def test_tensor_parallel_errors_on_every_rank():
     assert all("pipeline_parallelize" in m for m in missing), missing
     heads = run_distributed(_construct, 2, TensorParallelModel, {"llm": P(tp=2)}, LM, 3, timeout=90, init_pg=False)
     assert all("do not split over tp=2" in m for m in heads), heads
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+CKPT_BATCHES = 3
+
+
+def _ckpt_trainer(placements, epochs, callbacks):
+    import lightning as L
+
+    strategy = MultiModulePipelineStrategy(placements, LM, num_microbatches=2)
+    return L.Trainer(
+        accelerator="cpu", devices=strategy.layout.world_size, strategy=strategy, max_epochs=epochs, logger=False,
+        callbacks=list(callbacks), enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+
+
+class _StartParameters:
+    """Every parameter's whole value when training (re)starts, i.e. right after restoring."""
+
+    @staticmethod
+    def callback():
+        import lightning as L
+        from torch.distributed.tensor import DTensor
+
+        class Start(L.Callback):
+            values: dict = {}
+
+            def on_train_start(self, trainer, pl_module) -> None:
+                self.values = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                               for n, p in pl_module.named_parameters()}
+
+        return Start()
+
+
+def _save_tp(rank, world, root):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import make_loader
+    from tests.test_equivalence import _FinalParameters
+
+    final, saver = _FinalParameters(), ModelCheckpoint(dirpath=f"{root}/tp", filename="{epoch}")
+    _ckpt_trainer({"llm": P(pp=2, tp=2)}, 1, [final, saver]).fit(
+        TensorParallelModel(LM), make_loader(LM, 8, 8 * CKPT_BATCHES))
+    return saver.best_model_path, final.values
+
+
+def _resume(rank, world, placements, ckpt):
+    from tests.models import make_loader
+    from tests.test_equivalence import _FinalParameters
+
+    final, start = _FinalParameters(), _StartParameters.callback()
+    _ckpt_trainer(placements, 2, [final, start]).fit(
+        TensorParallelModel(LM), make_loader(LM, 8, 8 * CKPT_BATCHES), ckpt_path=ckpt)
+    return start.values, final.values
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_checkpoint_resumes_exactly_on_tp1_and_on_another_pp(tmp_path):
+    """Saved from llm pp=2 tp=2 after one epoch, resumed for a second on pp=2 tp=1 and pp=3 tp=1
+    (and on tp=2 again): the restored weights are the saved ones, the final ones those of one
+    process training two epochs; the single-process export holds the whole saved tensors."""
+    import lightning as L
+
+    from tests.models import make_loader
+    from tests.test_equivalence import _trainer_kwargs
+
+    require_ranks(4)
+    reference = TensorParallelModel(LM)
+    kwargs = {**_trainer_kwargs(1, -1), "max_epochs": 2}
+    L.Trainer(**kwargs).fit(reference, make_loader(LM, 8, 8 * CKPT_BATCHES))
+    saved = run_distributed(_save_tp, 4, str(tmp_path), timeout=200, init_pg=False)
+    ckpt = saved[0][0]
+    from lightning_mmpp.state.checkpoint import export_checkpoint
+
+    exported = torch.load(export_checkpoint(ckpt, tmp_path / "one.ckpt"), weights_only=True)["state_dict"]
+    for rank_saved in saved:  # the single-process export holds every whole tensor
+        for name, value in rank_saved[1].items():
+            assert torch.equal(exported[name], value), name
+    for placements in ({"llm": P(pp=2)}, {"llm": P(pp=3)}, {"llm": P(tp=2)}):
+        world = MultiModulePipelineStrategy(placements, LM, 2).layout.world_size
+        results = run_distributed(_resume, world, placements, ckpt, timeout=200, init_pg=False)
+        assert set().union(*(final for _, final in results)) == set(exported), placements
+        for start, final in results:
+            for name, value in start.items():
+                assert torch.equal(value, saved[0][1][name] if name in saved[0][1] else saved[-1][1][name]), name
+            for name, value in final.items():
+                torch.testing.assert_close(value, dict(reference.named_parameters())[name].detach(), rtol=1e-5,
+                                           atol=1e-6, msg=f"{placements} {name}")

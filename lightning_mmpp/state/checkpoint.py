@@ -28,9 +28,10 @@ index, ``<key>`` the optimizer's per-parameter state key)::
     model/<name>               a tensor of the LightningModule's state_dict   model/llm.3.lin.weight
     optim/<i>/<name>/<key>     per-parameter optimizer state                  optim/0/llm.3.lin.weight/exp_avg
 
-Writers: the rank holding data-parallel replica 0 of a module's stage writes that stage's model
-and optimizer entries; entries outside every module (top-level buffers) are written by rank 0;
-DTensor entries (sharded modules) are handed to DCP by every rank, which writes each shard once.
+Writers: the rank holding data-parallel replica 0 of a module's stage (its tp lead, with tp > 1)
+writes that stage's model and optimizer entries; entries outside every module (top-level
+buffers) are written by rank 0; DTensor entries (sharded or tensor-parallel modules) are handed
+to DCP by every rank, which writes each shard once, so a checkpoint resumes on any tp.
 Every tensor is stored exactly once, whatever the dp sizes. Names come from torch's
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` (canonical parameter names). A tied
 parameter (``head.weight = embed.weight``, one copy per owning stage) is stored once, model
@@ -322,7 +323,7 @@ def _writes(layout: PipelineLayout, rank: int, name: str) -> bool:
     slot = layout.slot(rank, module) if module in layout.placements else None
     if slot is None:
         return rank == 0  # outside every module: identical everywhere
-    return slot.replica == 0
+    return slot.replica == 0 and slot.tp_index == 0  # a tp group's replicated entries: its lead
 
 
 def _is_dtensor(value: Any) -> bool:
