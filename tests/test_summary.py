@@ -21,3 +21,16 @@ def test_summary_rows_and_bytes_per_rank():
     assert lines[2].split() == ["llm", "0/2", "2", "0-1", "(2)", "320", "0", "1.2", "KB"]
     assert lines[3].split() == ["llm", "1/2", "3", "2-4", "(3)", "419", "0", "1.6", "KB"]
     assert lines[4] == "parameter bytes per rank: 0: 224 B, 1: 224 B, 2: 1.2 KB, 3: 1.6 KB"
+
+
+def test_summary_shows_tp():
+    from lightning_mmpp import ModulePlacement
+    from lightning_mmpp.core.placement import PipelineLayout
+    from tests.models import TensorParallelModel
+
+    topology = {"enc_a": ["llm"], "llm": []}
+    model = TensorParallelModel(topology)
+    layout = PipelineLayout({"enc_a": ModulePlacement(dp=2), "llm": ModulePlacement(pp=2, tp=2)}, topology)
+    lines = pipeline_summary(model, layout).splitlines()
+    assert "tp" in lines[0].split() and "(before tp splits)" in lines[0]
+    assert lines[2].split()[:4] == ["llm", "0/2", "2,3", "2"] and lines[3].split()[:4] == ["llm", "1/2", "4,5", "2"]

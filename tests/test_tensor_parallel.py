@@ -159,3 +159,53 @@ def test_a_tp_checkpoint_resumes_exactly_on_tp1_and_on_another_pp(tmp_path):
             for name, value in final.items():
                 torch.testing.assert_close(value, dict(reference.named_parameters())[name].detach(), rtol=1e-5,
                                            atol=1e-6, msg=f"{placements} {name}")
+
+
+# --- bytes per boundary --------------------------------------------------------------------------
+
+BYTES_TOPOLOGY = ONE_ENC
+
+
+def boundary_bytes(rank, world, placements, m=2, batch_size=8):
+    """One rank's traffic in the second training step (no spec metadata any more) of a
+    :class:`PipelineEngine` over ``placements``: point-to-point bytes sent and received (headers
+    included) and the bytes relayed inside its tp group (broadcast by a lead, received by the others)."""
+    from lightning_mmpp.core.placement import PipelineLayout
+    from lightning_mmpp.engine.engine import PipelineEngine
+    from tests.models import make_loader
+
+    torch.manual_seed(0)
+    engine = PipelineEngine(TensorParallelModel(BYTES_TOPOLOGY), PipelineLayout(placements, BYTES_TOPOLOGY), m)
+    batch = next(iter(make_loader(BYTES_TOPOLOGY, batch_size, batch_size)))
+    engine.step(batch)
+    engine.comm.reset_stats()
+    relay_before = getattr(engine.comm, "relayed_bytes", 0)
+    engine.step(batch)
+    out = {"sent": engine.comm.stats.bytes_sent, "received": engine.comm.stats.bytes_received,
+           "relayed": getattr(engine.comm, "relayed_bytes", 0) - relay_before}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_boundary_moves_one_copy_per_tp_group():
+    """enc tp=2 -> llm pp=2 tp=2 against enc -> llm pp=2: each tp lead moves exactly the bytes of
+    the rank it stands for without tp, the other tp ranks none point-to-point; inside a group the
+    lead broadcasts what it received once."""
+    require_ranks(6)
+    plain = run_distributed(boundary_bytes, 3, {"enc_a": P(), "llm": P(pp=2)}, timeout=90)
+    tp = run_distributed(boundary_bytes, 6, {"enc_a": P(tp=2), "llm": P(pp=2, tp=2)}, timeout=90)
+    for lead, (rank, other) in enumerate(((0, 1), (2, 3), (4, 5))):
+        assert (tp[rank]["sent"], tp[rank]["received"]) == (plain[lead]["sent"], plain[lead]["received"]) > (0, 0)
+        assert (tp[other]["sent"], tp[other]["received"]) == (0, 0)
+        assert tp[other]["relayed"] == tp[rank]["relayed"] > 0
+    # what a lead relays is what it received, less the 16-byte header (and padding) of each message
+    assert tp[2]["relayed"] <= tp[2]["received"]
+
+
+@pytest.mark.timeout(300)
+def test_readme_tensor_parallel_snippet_trains(tmp_path):
+    from tests.test_readme_snippet import run_readme_snippet
+
+    out = run_readme_snippet("Tensor parallelism inside a module", tmp_path, "max_steps=8", "max_steps=2")
+    assert "Starting with 4 processes" in out and "`max_steps=2` reached" in out, out[-4000:]

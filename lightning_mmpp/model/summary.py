@@ -2,7 +2,7 @@
 
 Lightning's model summary runs on rank 0, which after partitioning holds only its own stages.
 :func:`pipeline_summary` describes the whole pipeline instead, one row per (module, stage):
-its ranks (one per dp replica), its layers, trainable and frozen parameters and the bytes of
+its ranks (one per dp replica, times tp), its layers, trainable and frozen parameters and the bytes of
 parameters each of those ranks holds; then the parameter bytes of every rank. It needs no
 communication: every rank computes the same split from the model before partitioning (meta
 tensors count too, so a model built on the meta device is summarised before it exists).
@@ -40,7 +40,9 @@ def _span(names: Sequence[str]) -> str:
 
 def pipeline_summary(model: nn.Module, layout: PipelineLayout) -> str:
     """A table of the pipeline (see the module docstring); call it before partitioning."""
-    rows = [("module", "stage", "ranks", "layers", "trainable", "frozen", "param bytes/rank")]
+    with_tp = layout.max_tp > 1
+    rows = [("module", "stage", "ranks") + (("tp",) if with_tp else ()) + ("layers", "trainable", "frozen",
+            "param bytes/rank" + (" (before tp splits)" if with_tp else ""))]
     per_rank = [0] * layout.world_size
     for module in layout.modules:
         placement = layout.placements[module]
@@ -52,11 +54,12 @@ def pipeline_summary(model: nn.Module, layout: PipelineLayout) -> str:
             trainable = sum(p.numel() for p in params if p.requires_grad)
             frozen = sum(p.numel() for p in params if not p.requires_grad)
             nbytes = sum(p.numel() * p.element_size() for p in params)
-            ranks = [layout.rank_of(module, stage, replica) for replica in range(placement.dp)]
+            ranks = [rank for group in layout.stage_mesh(module, stage) for rank in group]
             for rank in ranks:
                 per_rank[rank] += nbytes
             rows.append((
-                module, f"{stage}/{placement.pp}", ",".join(map(str, ranks)), _span([names[i] for i in span]),
+                module, f"{stage}/{placement.pp}", ",".join(map(str, ranks)),
+                *((str(placement.tp),) if with_tp else ()), _span([names[i] for i in span]),
                 _count(trainable), _count(frozen), _bytes(nbytes),
             ))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
