@@ -3,6 +3,7 @@
     pip install -e ".[examples]"      # safetensors, transformers (scripts/install.sh examples)
     python examples/train_vlm.py      # 3 CPU processes, about 20 s on 2 cores at the default size
     python examples/train_vlm.py --width 512 --layers 8 --precision bf16-mixed
+    python examples/train_vlm.py --tp 2   # 5 processes: the projector and each LM stage on 2 tp ranks
 
 Layout (gloo on CPU, NCCL on GPUs):
 
@@ -12,6 +13,12 @@ Layout (gloo on CPU, NCCL on GPUs):
 The projector is a pp=1 module on the ranks of the LM's first stage. The LM ties its input
 embedding to its output head (``tie_word_embeddings``, as small Llama configurations do): the
 first and the last stage each keep a copy, and their gradients are summed every step.
+
+``--tp 2`` splits the projector and every Llama decoder layer over two ranks (ranks 1-2: proj
+and LM stage 0, ranks 3-4: LM stage 1): ``pipeline_parallelize`` applies the Llama config's own
+``base_model_tp_plan`` (q/k/v, gate and up projections column-wise, o and down row-wise) to each
+decoder layer, and splits the projector's first linear by columns, its second by rows. A tp
+module cannot hold a tied parameter, so ``--tp 2`` unties the embedding and the head.
 
 The modules are created in ``configure_model()``, so under the strategy they are built on the
 meta device: each rank allocates only the stages it holds. The vision encoder and the language
@@ -52,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PretrainedWeights, Ragged
+from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, PipelineConfigError, PretrainedWeights, Ragged
 
 IMAGE = 16
 PATCH = 4
@@ -241,6 +248,16 @@ class VisionLanguageModel(L.LightningModule):
         correct = ((text.argmax(-1) == labels) & valid).sum()
         return {"loss_sum": loss_sum, "num_tokens": valid.sum(), "correct_sum": correct}
 
+    def pipeline_parallelize(self, module: str, index: int, layer: nn.Module, tp_mesh: Any) -> None:
+        """``--tp``: the projector's linears split by columns then rows, each decoder layer by
+        its Llama config's own tensor-parallel plan; embeddings, norms and the head stay whole."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if module == "proj" and isinstance(layer, nn.Linear):
+            parallelize_module(layer, tp_mesh, ColwiseParallel() if index == 0 else RowwiseParallel())
+        elif module == "llm" and isinstance(layer, DecoderLayer):
+            parallelize_module(layer, tp_mesh, hf_layer_plan(layer._rotary_args[1], tp_mesh.size()))
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # one process, no strategy
         from lightning_mmpp import run_unpipelined
 
@@ -250,6 +267,22 @@ class VisionLanguageModel(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
+
+
+def hf_layer_plan(config: Any, tp: int) -> dict[str, Any]:
+    """A Hugging Face config's ``base_model_tp_plan`` for one decoder layer, as torch parallel
+    styles on ``DecoderLayer`` (whose ``layer`` is the Hugging Face layer)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if config.num_attention_heads % tp or config.num_key_value_heads % tp:
+        raise PipelineConfigError(
+            f"tp={tp} does not divide the LM's {config.num_attention_heads} attention heads and "
+            f"{config.num_key_value_heads} key/value heads; choose --tp dividing both (or a wider --width)."
+        )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    prefix = "layers.*."
+    return {"layer." + key[len(prefix):]: styles[style]() for key, style in config.base_model_tp_plan.items()
+            if key.startswith(prefix)}
 
 
 def image_slots(features: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,11 +433,11 @@ def sample_batch(batch_size: int) -> dict[str, Any]:
     return next(iter(make_loader(batch_size, 1, shuffle=False)))
 
 
-def placements() -> dict[str, ModulePlacement]:
+def placements(tp: int = 1) -> dict[str, ModulePlacement]:
     return {
         "vision": ModulePlacement(),  # rank 0
-        "llm": ModulePlacement(pp=2),  # ranks 1-2
-        "proj": ModulePlacement(rank_offset=1),  # beside the LM's first stage
+        "llm": ModulePlacement(pp=2, tp=tp),  # ranks 1-2 (tp=2: 1-4)
+        "proj": ModulePlacement(rank_offset=1, tp=tp),  # beside the LM's first stage
     }
 
 
@@ -429,14 +462,16 @@ def main(argv: Optional[list[str]] = None) -> list[float]:
                         help="where the pretrained files are written once and then reused (default: %(default)s)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--untied", action="store_true", help="separate input embedding and output head")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the projector and each LM stage "
+                        "(> 1 unties the embedding and the head)")
     args = parser.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
-    tie = not args.untied
+    tie = not args.untied and args.tp == 1
     paths = write_pretrained(Path(args.weights_dir), args.width, args.layers, args.vision_layers, tie)
     model = VisionLanguageModel(args.width, args.layers, args.vision_layers, tie=tie)
     strategy = MultiModulePipelineStrategy(
-        placements(), VisionLanguageModel.pipeline_topology, num_microbatches=args.microbatches,
+        placements(args.tp), VisionLanguageModel.pipeline_topology, num_microbatches=args.microbatches,
         pretrained=pretrained_sources(paths, args.layers, args.vision_layers),
     )
     history = LossHistory()

@@ -94,3 +94,51 @@ def test_vlm_example_matches_one_process(tmp_path):
     copies = [r["params"][n] for r in per_rank for n in tied if n in r["params"]]
     assert len(copies) == 2 and torch.equal(copies[0], copies[1])  # first and last stage, equal
     assert len({r["loss"] for r in per_rank}) == 1
+
+
+SIZE_TP = dict(width=64, layers=2, vision_layers=1)  # 4 heads, 2 key/value heads: both split over tp=2
+
+
+def _pipelined_tp(rank, world, paths):
+    L.seed_everything(0, verbose=False)
+    model = vlm.VisionLanguageModel(**SIZE_TP, tie=False)
+    strategy = MultiModulePipelineStrategy(
+        vlm.placements(tp=2), model.pipeline_topology, num_microbatches=2,
+        pretrained=vlm.pretrained_sources(paths, SIZE_TP["layers"], SIZE_TP["vision_layers"]),
+    )
+    from torch.distributed.tensor import DTensor
+
+    class Final(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                           for n, p in pl_module.named_parameters()}
+
+    final = Final()
+    trainer = L.Trainer(**_trainer_kwargs(world), strategy=strategy, callbacks=[final])
+    trainer.fit(model, vlm.make_loader(8, STEPS, shuffle=False))
+    split = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+    return {"params": final.params, "split": split}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.distributed
+def test_vlm_example_with_tp2_matches_one_process(tmp_path):
+    """``--tp 2``: the projector and the Llama layers (the config's own tp plan) on 2 tp ranks per
+    stage, untied, against one process."""
+    paths = vlm.write_pretrained(tmp_path, **SIZE_TP, tie=False)
+    L.seed_everything(0, verbose=False)
+    reference = vlm.VisionLanguageModel(**SIZE_TP, tie=False)
+    with torch.device("meta"):
+        reference.configure_model()
+    load_pretrained(reference, vlm.pretrained_sources(paths, SIZE_TP["layers"], SIZE_TP["vision_layers"]), seed=0)
+    L.Trainer(**_trainer_kwargs(1)).fit(reference, vlm.make_loader(8, STEPS, shuffle=False))
+    expected = _params(reference)
+    per_rank = run_distributed(_pipelined_tp, 5, paths, timeout=280, init_pg=False)
+    assert "llm.1.layer.self_attn.q_proj.weight" in per_rank[1]["split"] and "proj.0.weight" in per_rank[1]["split"]
+    seen = set()
+    for result in per_rank:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(expected)
