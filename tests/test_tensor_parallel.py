@@ -45,6 +45,15 @@ def test_tensor_parallel_matches_single_process(layout):
     _check(per_rank, reference, schedules)
 
 
+class _MisnamedPlan(TensorParallelModel):
+    """A plan naming a submodule the layer does not have (``attn.query``)."""
+
+    def pipeline_parallelize(self, module, index, layer, tp_mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(layer, tp_mesh, {"attn.query": ColwiseParallel()})
+
+
 def _construct(rank, world, model_cls, placements, topology, heads=None):
     import lightning as L
 
@@ -69,6 +78,39 @@ def test_tensor_parallel_errors_on_every_rank():
     assert all("pipeline_parallelize" in m for m in missing), missing
     heads = run_distributed(_construct, 2, TensorParallelModel, {"llm": P(tp=2)}, LM, 3, timeout=90, init_pg=False)
     assert all("do not split over tp=2" in m for m in heads), heads
+    misnamed = run_distributed(_construct, 3, _MisnamedPlan, {"enc_a": P(), "llm": P(tp=2)}, ONE_ENC, timeout=90,
+                               init_pg=False)
+    assert all("'query' could not be resolved" in m and "fix the plan's keys" in m for m in misnamed), misnamed
+
+
+def _evaluate(rank, world, placements):
+    import lightning as L
+
+    from tests.models import make_loader
+    from tests.test_equivalence import _trainer_kwargs
+
+    strategy = MultiModulePipelineStrategy(placements, LM, num_microbatches=2)
+    trainer = L.Trainer(**{**_trainer_kwargs(world, 1), "limit_val_batches": 1.0}, strategy=strategy)
+    model = TensorParallelModel(LM)
+    val = trainer.validate(model, make_loader(LM, 8, 16), verbose=False)[0]["val_loss"]
+    predictions = trainer.predict(model, make_loader(LM, 8, 8))
+    return val, predictions[0]
+
+
+@pytest.mark.timeout(120)
+def test_validate_and_predict_with_tp():
+    """Forward-only steps: val_loss and predictions on every rank equal one process's."""
+    from lightning_mmpp import run_unpipelined
+    from tests.models import make_loader
+
+    require_ranks(4)
+    model = TensorParallelModel(LM)
+    with torch.no_grad():
+        losses = [float(run_unpipelined(model, b)[0]) for b in make_loader(LM, 8, 16)]
+        expected = run_unpipelined(model, next(iter(make_loader(LM, 8, 8))))[1]["llm"]
+    for val, prediction in run_distributed(_evaluate, 4, {"llm": P(pp=2, tp=2)}, timeout=100, init_pg=False):
+        assert abs(val - sum(losses) / 2) <= 1e-5 * abs(val)
+        torch.testing.assert_close(prediction, expected, rtol=1e-5, atol=1e-6)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

@@ -71,6 +71,14 @@ _TOKEN_PREFIX = "tokens/"  # per-token sums travel beside the metrics in the one
 # only with the same layout and rank. Weak keys: the entry goes with the model.
 _PARTITIONED: "weakref.WeakKeyDictionary[Any, tuple[PipelineLayout, int, Partition]]" = weakref.WeakKeyDictionary()
 
+# The tp process groups and meshes of the models this process has parallelized: the DTensor
+# parameters and torch's parallel-style hooks hold the meshes, so a later engine on the same
+# model (fit, then validate/test/predict) reuses them, and no engine destroys those groups
+# (they go with the default process group).
+_TENSOR_PARALLEL: "weakref.WeakKeyDictionary[Any, tuple[dict[tuple[int, ...], Any], StageMeshes]]" = (
+    weakref.WeakKeyDictionary()
+)
+
 PretrainedSource = Union[str, os.PathLike, PretrainedWeights]
 
 
@@ -185,8 +193,11 @@ class PipelineEngine:
         self._schedules: dict[tuple[ScheduleName, bool, int], Schedule] = {}
         self._groups: list[Any] = []
 
-        self.dp_groups = {ranks: self._new_group(ranks) for ranks in layout.dp_groups()}
-        self.tp_groups = {ranks: self._new_group(ranks) for ranks in layout.tp_groups()}
+        reused = _TENSOR_PARALLEL.get(model)
+        kept = self._kept_dp_groups() if reused is None else set()  # a 2-D mesh's dp groups live on with it
+        self.dp_groups = {ranks: self._new_group(ranks, keep=ranks in kept) for ranks in layout.dp_groups()}
+        self.tp_groups = (reused[0] if reused is not None
+                          else {ranks: self._new_group(ranks, keep=True) for ranks in layout.tp_groups()})
         if self.world_size > 1:
             dist.barrier()  # NCCL wants one collective before the first batched P2P
         built_here = not is_partitioned(model)  # else an earlier engine built (and agreed on) the stages
@@ -202,7 +213,9 @@ class PipelineEngine:
         self._groups += list(self.tie_groups.values())
         if built_here:
             self._agree_initial_values()
-        self.meshes = self._parallelize(optimizers) if layout.max_tp > 1 else None
+        self.meshes = reused[1] if reused is not None else self._parallelize(optimizers) if layout.max_tp > 1 else None
+        if self.meshes is not None:
+            _TENSOR_PARALLEL[model] = (self.tp_groups, self.meshes)
         self.sharded = apply_memory_options(
             layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers,
             tp_index=layout.tp_index(self.rank), meshes=self.meshes,
@@ -234,10 +247,17 @@ class PipelineEngine:
 
     # --- construction ------------------------------------------------------------------------
 
-    def _new_group(self, ranks: Sequence[int]) -> Any:
+    def _new_group(self, ranks: Sequence[int], keep: bool = False) -> Any:
+        """A process group over ``ranks``, destroyed at :meth:`close` unless ``keep`` (a tp mesh's)."""
         group = dist.new_group(list(ranks), timeout=self.timeout) if self.world_size > 1 else None
-        self._groups.append(group)
+        if not keep:
+            self._groups.append(group)
         return group
+
+    def _kept_dp_groups(self) -> set[tuple[int, ...]]:
+        """The dp groups of sharded tp stages: dimensions of 2-D meshes that outlive the engine."""
+        return {self.layout.dp_group(m, s, t) for m, p in self.layout.placements.items()
+                if p.shard and p.tp > 1 for s in range(p.pp) for t in range(p.tp)}
 
     def _tp_ranks(self) -> tuple[int, ...]:
         """The ranks of this rank's tp group (every module on a rank has the same one)."""

@@ -153,8 +153,7 @@ def apply_tensor_parallel(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 hook(module, first + i, layer, mesh)
-            unresolved = [str(w.message) for w in caught if "could not be resolved" in str(w.message)
-                          or "not found" in str(w.message)]
+            unresolved = [str(w.message).split(":")[0] for w in caught if "could not be resolved" in str(w.message)]
             if unresolved:
                 raise PipelineConfigError(
                     f"{type(model).__name__}.{HOOK}({module!r}, {first + i}, ...): the plan names submodules that "
