@@ -13,6 +13,7 @@ model used to prove deadlock freedom). Step times below are eager unless marked 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout  # noqa: E402
 from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, SimulatorMode  # noqa: E402
-from lightning_mmpp.core.schedule import ZeroBubbleMemory, build_schedule  # noqa: E402
+from lightning_mmpp.core.schedule import PhaseCosts, ZeroBubbleMemory, build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import SimulationResult, simulate  # noqa: E402
 
 from common import chain, section, two_encoders  # noqa: E402
@@ -30,6 +31,7 @@ from common import table as common_table  # noqa: E402
 
 P = ModulePlacement
 TF, TB = 1.0, 2.0
+VIRTUAL_CHOICES = (1, 2, 2, 3)  # virtual_stages of a random module: 1, 2 (twice as likely) or 3
 
 
 def vision_audio() -> PipelineLayout:
@@ -49,8 +51,11 @@ def two_heads() -> PipelineLayout:
     )
 
 
-def random_layout(rng: random.Random) -> PipelineLayout:
-    """A random DAG of 2-6 modules, pp 1-3, dp in {1, 2, 4}, some modules colocated."""
+def random_placements(
+    rng: random.Random, virtual_stages: Sequence[int] = (1,)
+) -> tuple[dict[str, ModulePlacement], dict[str, list[str]]]:
+    """A random DAG of 2-6 modules, pp 1-3, dp in {1, 2, 4}, some modules colocated; each
+    module's virtual_stages drawn from ``virtual_stages`` (no draw when there is one choice)."""
     n = rng.randint(2, 6)
     names = [f"m{i}" for i in range(n)]
     topology = {m: [names[j] for j in range(i + 1, n) if rng.random() < 0.5] for i, m in enumerate(names)}
@@ -68,9 +73,15 @@ def random_layout(rng: random.Random) -> PipelineLayout:
     for g in order:
         pp, dp = sizes[g]
         for name in groups[g]:
-            placements[name] = P(pp=pp, dp=dp, rank_offset=cursor)
+            v = rng.choice(virtual_stages) if len(virtual_stages) > 1 else virtual_stages[0]
+            placements[name] = P(pp=pp, dp=dp, rank_offset=cursor, virtual_stages=v)
         cursor += pp * dp
-    return PipelineLayout(placements, topology)
+    return placements, topology
+
+
+def random_layout(rng: random.Random) -> PipelineLayout:
+    """A random DAG of 2-6 modules, pp 1-3, dp in {1, 2, 4}, some modules colocated."""
+    return PipelineLayout(*random_placements(rng))
 
 
 def run(layout, m, name=ScheduleName.ONE_F_ONE_B, numbering=DEFAULT_NUMBERING, mode=SimulatorMode.EAGER, tf=TF,
@@ -281,12 +292,48 @@ def one_f_one_b_bound(layout: PipelineLayout, m: int) -> int:
     )
 
 
+def bench_virtual_stages() -> None:
+    """interleaved_1f1b and zbv against 1F1B: the 4-stage chain of the issue and random DAGs."""
+    section("virtual stages: interleaved_1f1b and zbv against 1f1b (simulator, eager)")
+    equal = PhaseCosts(forward=1.0, input=0.5, weight=0.5)  # F = B, I = W = B / 2
+    rows, results = [], {}
+    for name, v in (("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2), ("zbv", 2)):
+        layout = PipelineLayout({"a": P(pp=4, virtual_stages=v)}, {"a": []}, v_shape=name == "zbv")
+        r = simulate(build_schedule(layout, 8, name, costs=equal), layout, 1.0, 1.0, mode=SimulatorMode.EAGER)
+        results[name] = r
+        rows.append((name, v, r.step_time, r.bubble, r.bubble / results["1f1b"].bubble, max(r.peak_stash_units),
+                     r.peak_stash_units))
+    print("chain pp=4, m=8, F = B (I = W = B/2), costs of a whole stage (a chunk costs 1/v):")
+    print(table(["schedule", "v", "step", "bubble", "bubble/1f1b", "fullest rank (stages' mb)", "per rank"], rows))
+    print(f"-> interleaved_1f1b keeps {rows[2][4]:.3f} of 1F1B's bubble (issue: <= 1/2), zbv {rows[3][4]:.3f} "
+          f"(issue: <= 1/3) holding at most {rows[3][5]:.2f} stages' microbatches on a rank (1F1B's fullest: "
+          f"{rows[0][5]:.2f}).")
+    n, m_max = 200, 9
+    rng = random.Random(0)
+    ratios: dict[str, list[float]] = {"interleaved_1f1b": [], "zbv": []}
+    for _ in range(n):
+        placements, topology = random_placements(rng, VIRTUAL_CHOICES)
+        m = rng.randint(1, m_max)
+        plain = PipelineLayout({k: dataclasses.replace(p, virtual_stages=1) for k, p in placements.items()}, topology)
+        base = run(plain, m).step_time
+        for name in ratios:
+            layout = PipelineLayout(placements, topology, v_shape=name == "zbv")
+            ratios[name].append(run(layout, m, name).step_time / base)
+    print()
+    print(f"random DAGs (seed 0, {n} layouts as above, virtual_stages from {VIRTUAL_CHOICES}, m 1-{m_max}, "
+          "F=1 B=2): step / 1F1B's step on the same placements without virtual stages")
+    print(table(["schedule", "shorter", "equal", "longer", "min", "mean", "max"], [
+        (name, sum(x < 1 - 1e-9 for x in r), sum(abs(x - 1) <= 1e-9 for x in r), sum(x > 1 + 1e-9 for x in r),
+         min(r), sum(r) / n, max(r)) for name, r in ratios.items()]))
+
+
 def main() -> None:
     print("$ python benchmarks/bench_schedule.py")
     bench_chain()
     bench_numbering()
     bench_memory()
     bench_zero_bubble()
+    bench_virtual_stages()
 
 
 if __name__ == "__main__":

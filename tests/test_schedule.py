@@ -313,7 +313,7 @@ def test_schedule_names_are_enums_spelled_as_strings():
     assert build_schedule(layout, 5) != build_schedule(layout, 5, numbering="asap")  # they differ on this layout
     assert f"{ScheduleName.ONE_F_ONE_B}" == str(ScheduleName.ONE_F_ONE_B) == "1f1b"
     assert repr(ScheduleName.ZERO_BUBBLE) == "'zero_bubble'"  # messages and generated code quote the spelling
-    with pytest.raises(PipelineConfigError, match=r"choose one of \['1f1b', 'gpipe', 'zero_bubble'\]"):
+    with pytest.raises(PipelineConfigError, match=r"choose one of \['1f1b', 'gpipe', 'zero_bubble', 'interleaved_1f1b', 'zbv'\]"):
         check_schedule_args("1F1B", 2)
 
 

@@ -9,7 +9,8 @@ Pure Python (no torch): schedules are built (:mod:`lightning_mmpp.core.schedule`
   calls the input half "B".) A stage whose inputs need no gradient runs a ``W`` without an
   ``I``: its whole backward is weight gradients, and nothing upstream waits for it.
 * :class:`MessageKey` — one logical message ``(direction, src_module, dst_module,
-  microbatch)``; the communicator carries payloads under this key.
+  microbatch)`` (and the chunks at both ends under virtual stages); the communicator carries
+  payloads under this key.
 * :class:`Transfer` — a message seen from one end: its key plus the rank at the other end.
 * :class:`Compute` and :class:`Exchange` — the two actions; :class:`Schedule` — the per-rank
   action lists of one step.
@@ -17,9 +18,11 @@ Pure Python (no torch): schedules are built (:mod:`lightning_mmpp.core.schedule`
 Text form (``str()`` of each, parsed back by :func:`parse_action` / :meth:`Schedule.from_text`)::
 
     F3:llm                      forward of microbatch 3 of this rank's stage of llm
+    F3:llm.1                    the same on the rank's chunk 1 of llm (virtual stages)
     B3:llm  I3:llm  W3:llm      fused backward, input-gradient half, weight-gradient half
     vision->llm#1@2             forward transfer of microbatch 1 on edge vision -> llm, peer rank 2
     vision<-llm#1@2             the gradient of that message (backward direction)
+    llm->llm.1#1@0              from the sender's chunk 0 to the receiver's chunk 1 of llm
     X(send[a->a#0@1] recv[])    one exchange: transfers posted together as one batch
 
 A whole schedule is a header line and one line per rank::
@@ -77,25 +80,46 @@ class MessageKey:
 
     ``src_module`` produces the forward activation; ``dst_module`` consumes it (equal for a
     transfer between consecutive stages of one module). The gradient of that activation
-    travels back under the same key with ``direction=BACKWARD``.
+    travels back under the same key with ``direction=BACKWARD``. ``src_chunk`` / ``dst_chunk``
+    say which of its rank's chunks of the module produces / consumes it (0 unless the module
+    has virtual stages); the text form shows a non-zero chunk as ``module.chunk``.
     """
 
     direction: Direction
     src_module: str
     dst_module: str
     microbatch: int
+    src_chunk: int = 0
+    dst_chunk: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.direction, Direction):
             raise TypeError(f"MessageKey.direction must be a Direction, got {self.direction!r}")
 
     @property
-    def edge(self) -> tuple[str, str, int]:
-        """``(src_module, dst_module, microbatch)``: the key without its direction."""
-        return (self.src_module, self.dst_module, self.microbatch)
+    def edge(self) -> tuple[str, str, int, int, int]:
+        """``(src_module, dst_module, microbatch, src_chunk, dst_chunk)``: the key without its direction."""
+        return (self.src_module, self.dst_module, self.microbatch, self.src_chunk, self.dst_chunk)
+
+    @property
+    def producer(self) -> tuple[str, int]:
+        """``(module, chunk)`` of the stage that computes the activation."""
+        return (self.src_module, self.src_chunk)
+
+    @property
+    def consumer(self) -> tuple[str, int]:
+        """``(module, chunk)`` of the stage that receives the activation."""
+        return (self.dst_module, self.dst_chunk)
 
     def __str__(self) -> str:
-        return f"{self.src_module}{self.direction.arrow}{self.dst_module}#{self.microbatch}"
+        src = _chunk_name(self.src_module, self.src_chunk)
+        dst = _chunk_name(self.dst_module, self.dst_chunk)
+        return f"{src}{self.direction.arrow}{dst}#{self.microbatch}"
+
+
+def _chunk_name(module: str, chunk: int) -> str:
+    """``module`` for chunk 0, ``module.chunk`` otherwise (the text form)."""
+    return f"{module}.{chunk}" if chunk else module
 
 
 @dataclass(frozen=True, order=True)
@@ -132,14 +156,21 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Compute:
-    """Run one phase of ``microbatch`` for this rank's stage of ``module``."""
+    """Run one phase of ``microbatch`` for this rank's stage of ``module`` (its ``chunk``-th
+    stage of the module under virtual stages)."""
 
     phase: Phase
     module: str
     microbatch: int
+    chunk: int = 0
+
+    @property
+    def unit(self) -> tuple[str, int]:
+        """``(module, chunk)``: which of the rank's stages runs it."""
+        return (self.module, self.chunk)
 
     def __str__(self) -> str:
-        return f"{self.phase.value}{self.microbatch}:{self.module}"
+        return f"{self.phase.value}{self.microbatch}:{_chunk_name(self.module, self.chunk)}"
 
 
 @dataclass(frozen=True)
@@ -161,8 +192,8 @@ class ScheduleParseError(ValueError):
 
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_COMPUTE_RE = re.compile(rf"([FBIW])(\d+):({_NAME})")
-_TRANSFER_RE = re.compile(rf"({_NAME})(->|<-)({_NAME})#(\d+)@(\d+)")
+_COMPUTE_RE = re.compile(rf"([FBIW])(\d+):({_NAME})(?:\.(\d+))?")
+_TRANSFER_RE = re.compile(rf"({_NAME})(?:\.(\d+))?(->|<-)({_NAME})(?:\.(\d+))?#(\d+)@(\d+)")
 _EXCHANGE_RE = re.compile(r"X\(send\[([^\]]*)\] recv\[([^\]]*)\]\)")
 _TOKEN_RE = re.compile(r"X\([^)]*\)|\S+")
 
@@ -172,9 +203,10 @@ def parse_transfer(text: str) -> Transfer:
     match = _TRANSFER_RE.fullmatch(text.strip())
     if match is None:
         raise ScheduleParseError(f"not a transfer: {text!r} (expected e.g. 'vision->llm#0@2' or 'vision<-llm#0@2')")
-    src, arrow, dst, k, peer = match.groups()
+    src, src_chunk, arrow, dst, dst_chunk, k, peer = match.groups()
     direction = Direction.FORWARD if arrow == "->" else Direction.BACKWARD
-    return Transfer(MessageKey(direction, src, dst, int(k)), int(peer))
+    key = MessageKey(direction, src, dst, int(k), int(src_chunk or 0), int(dst_chunk or 0))
+    return Transfer(key, int(peer))
 
 
 def _parse_transfers(text: str) -> tuple[Transfer, ...]:
@@ -186,8 +218,8 @@ def parse_action(text: str) -> Action:
     text = text.strip()
     match = _COMPUTE_RE.fullmatch(text)
     if match is not None:
-        letter, k, module = match.groups()
-        return Compute(Phase(letter), module, int(k))
+        letter, k, module, chunk = match.groups()
+        return Compute(Phase(letter), module, int(k), int(chunk or 0))
     match = _EXCHANGE_RE.fullmatch(text)
     if match is not None:
         return Exchange(_parse_transfers(match.group(1)), _parse_transfers(match.group(2)))
@@ -277,21 +309,26 @@ class Schedule:
     def to_csv(self) -> str:
         """One row per action per rank (columns :attr:`CSV_COLUMNS`), after a ``#`` header line.
 
-        ``action`` is ``F``/``B``/``I``/``W`` for a compute (with ``module`` and
-        ``microbatch``) or ``X`` for an exchange (with space-separated ``sends`` / ``recvs``).
+        ``action`` is ``F``/``B``/``I``/``W`` for a compute (with ``module``, ``microbatch`` and
+        ``chunk``) or ``X`` for an exchange (with space-separated ``sends`` / ``recvs``). The
+        ``chunk`` column follows the others only when some compute runs a chunk other than 0
+        (virtual stages); a missing one reads as chunk 0.
         """
         out = io.StringIO()
         out.write(f"# {self._header()}\n")
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(self.CSV_COLUMNS)
+        chunked = any(isinstance(a, Compute) and a.chunk for actions in self.actions for a in actions)
+        writer.writerow(self.CSV_COLUMNS + (("chunk",) if chunked else ()))
+        extra = lambda chunk: [chunk] if chunked else []  # noqa: E731
         for rank, actions in enumerate(self.actions):
             for index, action in enumerate(actions):
                 if isinstance(action, Compute):
-                    writer.writerow([rank, index, action.phase.value, action.module, action.microbatch, "", ""])
+                    writer.writerow([rank, index, action.phase.value, action.module, action.microbatch, "", ""]
+                                    + extra(action.chunk))
                 else:
                     sends = " ".join(map(str, action.sends))
                     recvs = " ".join(map(str, action.recvs))
-                    writer.writerow([rank, index, "X", "", "", sends, recvs])
+                    writer.writerow([rank, index, "X", "", "", sends, recvs] + extra(""))
         return out.getvalue()
 
     @classmethod
@@ -316,7 +353,8 @@ class Schedule:
                 if kind == "X":
                     action: Action = Exchange(_parse_transfers(row["sends"] or ""), _parse_transfers(row["recvs"] or ""))
                 else:
-                    action = Compute(Phase(kind), row["module"].strip(), int(row["microbatch"]))
+                    chunk = int(row.get("chunk") or 0)
+                    action = Compute(Phase(kind), row["module"].strip(), int(row["microbatch"]), chunk)
             except (KeyError, TypeError, ValueError) as err:
                 raise ScheduleParseError(f"CSV line {line_no} {row!r}: {err}") from None
             if rank not in per_rank:

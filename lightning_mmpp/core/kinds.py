@@ -75,10 +75,23 @@ class ScheduleName(Choice):
     ONE_F_ONE_B = "1f1b"
     GPIPE = "gpipe"
     ZERO_BUBBLE = "zero_bubble"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZBV = "zbv"
 
     @classmethod
     def label(cls) -> str:
         return "schedule"
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backwards into ``I`` and ``W`` (the zero-bubble family)."""
+        return self in (ScheduleName.ZERO_BUBBLE, ScheduleName.ZBV)
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether modules with virtual stages place their chunks V-shaped (``"zbv"``) rather than
+        interleaved (see :mod:`lightning_mmpp.core.placement`)."""
+        return self is ScheduleName.ZBV
 
 
 class Numbering(Choice):

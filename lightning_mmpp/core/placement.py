@@ -14,6 +14,16 @@ lead* (tp index 0): schedules, bridges and peers are planned between leads
 (:meth:`PipelineLayout.scheduled_slots`), and the other ranks of a group follow their lead's
 actions, taking what it receives by a broadcast inside the group.
 
+Virtual stages (``virtual_stages=v``): the module's layers are split into ``pp * v`` contiguous
+*stages* (chunks) and each of its ``pp`` rank positions holds ``v`` of them, not adjacent: in
+the interleaved order chunk ``s`` sits on position ``s % pp`` (position ``i`` holds chunks
+``i, i + pp, ...``); in the V-shape order (``v_shape=True``, for ``schedule="zbv"``) every
+second group of ``pp`` chunks runs back, so position ``i`` holds chunks ``i, 2*pp - 1 - i,
+2*pp + i, ...`` and the hand-off at the bottom of each V stays on one rank. Everything below
+counts in stages: a :class:`StageSlot` is one chunk, ``slot.chunk`` its index among the
+rank's chunks of that module (``stage // pp``), and the stage numbering runs over ``pp * v``
+stages per module.
+
 Bridges: on a DAG edge ``u -> d`` the last stage of ``u`` feeds the first stage of ``d``.
 With ``dp_u == dp_d`` replica j feeds replica j. With ``dp_u = r * dp_d`` (fan-in) replicas
 ``j*r .. j*r+r-1`` of ``u`` feed replica j of ``d``, concatenated in replica order. With
@@ -62,6 +72,12 @@ class ModulePlacement:
             keeps only its layer inputs; the layers run their forward again in the backward.
         tp: tensor-parallel ranks of every replica of every stage (consecutive ranks); the
             model's ``pipeline_parallelize`` hook splits each layer over them.
+        virtual_stages: how many chunks of the module each of its ranks holds: the layers are
+            split into ``pp * virtual_stages`` stages, placed interleaved (or V-shaped under
+            ``schedule="zbv"``) over the ``pp`` rank positions; for the ``"interleaved_1f1b"``
+            and ``"zbv"`` schedules, which cut the pipeline bubble about ``virtual_stages``
+            times at the price of more transfers. ``split_points`` then gives
+            ``pp * virtual_stages - 1`` boundaries.
         balance: how a microbatch's samples are assigned to the module's dp replicas:
             ``"samples"`` (equal contiguous shards, replica j taking shard j) or ``"items"``
             (contiguous shards balanced by the item counts of the batch's ``Ragged`` fields, so
@@ -80,6 +96,7 @@ class ModulePlacement:
     shard: bool = False
     recompute: bool = False
     tp: int = 1
+    virtual_stages: int = 1
     balance: str = "samples"
 
     def __post_init__(self) -> None:
@@ -96,7 +113,7 @@ class ModulePlacement:
                 f"ModulePlacement(pp={self.pp}, dp={self.dp}, shard=True): with dp=1 there is nothing to shard over; "
                 "give the module dp >= 2 or drop shard=True (recompute=True cuts activation memory on one replica)."
             )
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "tp", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PipelineConfigError(f"ModulePlacement({name}={value!r}): {name} must be an integer >= 1.")
@@ -107,19 +124,22 @@ class ModulePlacement:
                 f"ModulePlacement(rank_offset={self.rank_offset!r}): rank_offset must be None or an integer >= 0."
             )
         if self.split_points is not None:
+            stages = self.num_stages
+            what = f"pp={self.pp}" + (f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else "")
+            count = f"pp-1 = {stages - 1}" if self.virtual_stages == 1 else f"pp*virtual_stages-1 = {stages - 1}"
             try:
                 points = tuple(self.split_points)
             except TypeError:
                 raise PipelineConfigError(
-                    f"ModulePlacement(pp={self.pp}, split_points={self.split_points!r}): give a tuple of "
-                    f"pp-1 = {self.pp - 1} increasing layer indices > 0, e.g. split_points=(4,) for pp=2."
+                    f"ModulePlacement({what}, split_points={self.split_points!r}): give a tuple of "
+                    f"{count} increasing layer indices > 0, e.g. split_points=(4,) for pp=2."
                 ) from None
             object.__setattr__(self, "split_points", points)
-            if len(points) != self.pp - 1 or any(not isinstance(p, int) for p in points) or any(
+            if len(points) != stages - 1 or any(not isinstance(p, int) for p in points) or any(
                 b <= a for a, b in zip((0,) + points, points)
             ):
                 raise PipelineConfigError(
-                    f"ModulePlacement(pp={self.pp}, split_points={points}): give pp-1 = {self.pp - 1} increasing "
+                    f"ModulePlacement({what}, split_points={points}): give {count} increasing "
                     "layer indices > 0, the first layer of each stage after the first."
                 )
         if not isinstance(self.batch_dim, int) or isinstance(self.batch_dim, bool):
@@ -135,15 +155,29 @@ class ModulePlacement:
         """Number of ranks the module occupies."""
         return self.pp * self.dp * self.tp
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages (chunks) the module's layers are split into: ``pp * virtual_stages``."""
+        return self.pp * self.virtual_stages
+
+    def position(self, stage: int, v_shape: bool = False) -> int:
+        """The rank position (``0 .. pp-1``) holding ``stage``: ``stage % pp`` interleaved; with
+        ``v_shape`` every second group of ``pp`` stages runs back (``pp - 1 - stage % pp``)."""
+        group, index = divmod(stage, self.pp)
+        return self.pp - 1 - index if v_shape and group % 2 else index
+
 
 @dataclass(frozen=True)
 class StageSlot:
-    """What one rank holds of one module."""
+    """One stage (chunk) of one module held by a rank: ``stage`` counts the module's ``pp *
+    virtual_stages`` stages, ``chunk`` is its index among the rank's chunks of the module
+    (``stage // pp``; 0 without virtual stages)."""
 
     module: str
     stage: int
     replica: int
     tp_index: int = 0
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,13 +212,17 @@ class PipelineLayout:
     Args:
         placements: ``{module: ModulePlacement}``; declaration order drives automatic offsets.
         topology: the module DAG, as a dict or a :class:`ModuleTopology`.
+        v_shape: place the chunks of modules with ``virtual_stages > 1`` in the V-shape order
+            (``schedule="zbv"``) instead of interleaved (see the module docstring).
     """
 
     def __init__(
         self,
         placements: Mapping[str, ModulePlacement],
         topology: Mapping[str, Sequence[str]] | ModuleTopology,
+        v_shape: bool = False,
     ) -> None:
+        self.v_shape = bool(v_shape)
         if not isinstance(placements, Mapping) or not placements:
             raise PipelineConfigError(
                 "placements must be a non-empty dict {module: ModulePlacement(...)}, e.g. "
@@ -216,7 +254,9 @@ class PipelineLayout:
         self._slots = self._build_slots()
         self._check_bridges()
         self._check_balance()
-        self.numbering: StageNumbering = self.topology.stage_numbering({m: p.pp for m, p in self.placements.items()})
+        self.numbering: StageNumbering = self.topology.stage_numbering(
+            {m: p.num_stages for m, p in self.placements.items()}
+        )
 
     # --- construction ----------------------------------------------------------------------
 
@@ -227,10 +267,11 @@ class PipelineLayout:
         slots: dict[int, list[StageSlot]] = {r: [] for r in range(self.world_size)}
         for module in self.topology.order:
             placement = self.placements[module]
-            for stage in range(placement.pp):
+            for stage in range(placement.num_stages):
                 for replica in range(placement.dp):
                     for t in range(placement.tp):
-                        slots[self.rank_of(module, stage, replica, t)].append(StageSlot(module, stage, replica, t))
+                        slot = StageSlot(module, stage, replica, t, stage // placement.pp)
+                        slots[self.rank_of(module, stage, replica, t)].append(slot)
         return {r: tuple(s) for r, s in slots.items()}
 
     def _check_bridges(self) -> None:
@@ -296,22 +337,51 @@ class PipelineLayout:
                 f"Launch with devices={self.world_size} (x num_nodes) or change pp/dp/tp."
             )
 
+    @property
+    def virtual(self) -> bool:
+        """Whether some module has ``virtual_stages > 1`` (a rank may hold several of its chunks)."""
+        return any(p.virtual_stages > 1 for p in self.placements.values())
+
+    def num_stages(self, module: str) -> int:
+        """The module's pipeline stages: ``pp * virtual_stages``."""
+        return self.placements[module].num_stages
+
     def rank_of(self, module: str, stage: int, replica: int, tp_index: int = 0) -> int:
-        """The rank of one (stage, replica, tp index) of ``module``; tp index 0 is the group's lead."""
+        """The rank of one (stage, replica, tp index) of ``module``; tp index 0 is the group's lead.
+        ``stage`` counts the ``pp * virtual_stages`` stages (chunks)."""
         placement = self.placements[module]
-        if not (0 <= stage < placement.pp and 0 <= replica < placement.dp and 0 <= tp_index < placement.tp):
+        if not (0 <= stage < placement.num_stages and 0 <= replica < placement.dp and 0 <= tp_index < placement.tp):
             raise IndexError(f"{module!r} has no stage {stage} replica {replica} tp index {tp_index}")
-        return self.offsets[module] + (stage * placement.dp + replica) * placement.tp + tp_index
+        position = placement.position(stage, self.v_shape)
+        return self.offsets[module] + (position * placement.dp + replica) * placement.tp + tp_index
 
     def module_ranks(self, module: str) -> range:
         return range(self.offsets[module], self.offsets[module] + self.placements[module].size)
 
     def slots(self, rank: int) -> tuple[StageSlot, ...]:
-        """What ``rank`` holds, one slot per module, in topological order."""
+        """What ``rank`` holds, one slot per module and chunk, in topological order (a module's
+        chunks in stage order)."""
         return self._slots[rank]
 
-    def slot(self, rank: int, module: str) -> Optional[StageSlot]:
-        return next((s for s in self._slots[rank] if s.module == module), None)
+    def slot(self, rank: int, module: str, chunk: int = 0) -> Optional[StageSlot]:
+        """The ``chunk``-th stage of ``module`` that ``rank`` holds (its only one without virtual
+        stages), or None."""
+        return next((s for s in self._slots[rank] if s.module == module and s.chunk == chunk), None)
+
+    def chunk_slots(self, rank: int, module: str) -> tuple[StageSlot, ...]:
+        """Every stage of ``module`` that ``rank`` holds, in stage order (``virtual_stages`` of them)."""
+        return tuple(s for s in self._slots[rank] if s.module == module)
+
+    def chunk_of(self, module: str, stage: int) -> int:
+        """The index of ``stage`` among the chunks of ``module`` on the rank holding it."""
+        return stage // self.placements[module].pp
+
+    def peer_chunk(self, slot: StageSlot, other: str, downstream: bool) -> int:
+        """The chunk, on its rank, of the neighbour of ``slot`` in module ``other`` (as listed by
+        :meth:`forward_targets` when ``downstream``, else :meth:`forward_sources`)."""
+        if other == slot.module:
+            return self.chunk_of(other, slot.stage + (1 if downstream else -1))
+        return 0 if downstream else self.chunk_of(other, self.num_stages(other) - 1)
 
     def tp_index(self, rank: int) -> int:
         """The rank's index in its tp groups (0 on a tp lead, and wherever ``tp == 1``). Modules
@@ -335,7 +405,7 @@ class PipelineLayout:
         return slot.stage == 0
 
     def is_last_stage(self, slot: StageSlot) -> bool:
-        return slot.stage == self.placements[slot.module].pp - 1
+        return slot.stage == self.placements[slot.module].num_stages - 1
 
     def is_loss_stage(self, slot: StageSlot) -> bool:
         """Whether ``slot`` computes a loss: the last stage of a sink module."""
@@ -375,7 +445,7 @@ class PipelineLayout:
         groups = {
             self.dp_group(m, s, t)
             for m, p in self.placements.items()
-            for s in range(p.pp)
+            for s in range(p.pp)  # a position's chunks share its dp group
             for t in range(p.tp)
             if p.dp > 1
         }
@@ -417,7 +487,7 @@ class PipelineLayout:
         consecutive replicas, chunks ``0 .. ratio-1``. On a routed bridge (:meth:`routed`) the
         peers are all replicas of ``other``, chunk ``c`` being replica ``c``.
         """
-        stage = 0 if downstream else self.placements[other].pp - 1
+        stage = 0 if downstream else self.placements[other].num_stages - 1
         mine, theirs = self.placements[module].dp, self.placements[other].dp
         if self.routed(module, other):  # every replica: chunk c = the other end's replica c
             return tuple(BridgePeer(self.rank_of(other, stage, c), c, theirs) for c in range(theirs))
@@ -482,7 +552,7 @@ class PipelineLayout:
                 rows.append((
                     str(rank),
                     slot.module,
-                    f"{slot.stage}/{p.pp}",
+                    f"{slot.stage}/{p.num_stages}",
                     f"{slot.replica}/{p.dp}",
                     *((f"{slot.tp_index}/{p.tp}",) if with_tp else ()),
                     str(self.stage_index(slot.module, slot.stage, numbering)),

@@ -92,6 +92,8 @@ __all__ = [
 
 SCHEDULES: tuple[ScheduleName, ...] = tuple(ScheduleName)  # members equal their spellings: "1f1b" in SCHEDULES
 NUMBERINGS: tuple[Numbering, ...] = tuple(Numbering)
+# built on the clock of :class:`_TimedBuilder`; the others in lockstep ticks
+_TIMED = (ScheduleName.ZERO_BUBBLE, ScheduleName.INTERLEAVED_1F1B, ScheduleName.ZBV)
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,34 @@ def build_schedule(
     no_backward = frozenset(no_backward_modules)
     if no_backward != layout.no_backward_modules(no_backward):
         raise ValueError(f"no_backward_modules {sorted(no_backward)} is not closed upstream")
-    if name is ScheduleName.ZERO_BUBBLE and not forward_only:
-        return _TimedBuilder(layout, num_microbatches, numbering, no_backward, memory or ZeroBubbleMemory(),
-                             costs or PhaseCosts()).build()
+    if name in _TIMED and not forward_only:
+        memory, costs = memory or ZeroBubbleMemory(), costs or PhaseCosts()
+        if name is ScheduleName.ZERO_BUBBLE:
+            return _TimedBuilder(layout, num_microbatches, name, numbering, no_backward, memory, costs).build()
+        return _shortest(layout, num_microbatches, name, numbering, no_backward, memory, costs)
     return _LockstepBuilder(layout, num_microbatches, name, forward_only, numbering, no_backward).build()
+
+
+def _shortest(
+    layout: PipelineLayout, m: int, name: ScheduleName, numbering: Numbering, no_backward: frozenset[str],
+    memory: ZeroBubbleMemory, costs: PhaseCosts,
+) -> Schedule:
+    """``"interleaved_1f1b"`` / ``"zbv"``: the shortest, on the planning clock, of the builder's
+    rule variants (forward-first or backward-first; for interleaved_1f1b also Megatron's warmup
+    bound on a rank's chunks or each chunk's own 1F1B bound). No single order is best on every
+    DAG: forward-first with the warmup bound is Megatron's interleaved order on a chain, while a
+    short branch next to deep modules prefers the backward-first order of 1F1B."""
+    bounds = (True, False) if name is ScheduleName.INTERLEAVED_1F1B else (False,)
+    variants = [(f, w, o) for o in (False, True) for f in (True, False) for w in bounds]
+    best: Optional[tuple[float, int, Schedule]] = None
+    for i, (forward_first, warmup_bound, oldest) in enumerate(variants):
+        builder = _TimedBuilder(layout, m, name, numbering, no_backward, memory, costs, forward_first, warmup_bound,
+                                oldest)
+        schedule = builder.build()
+        if best is None or builder.makespan < best[0] - 1e-9:
+            best = (builder.makespan, i, schedule)
+    assert best is not None
+    return best[2]
 
 
 def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
@@ -213,7 +239,7 @@ def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
     return schedule
 
 
-_Unit = tuple[int, str]  # (rank, module)
+_Unit = tuple[int, str, int]  # (rank, module, chunk): one stage a rank holds
 
 
 class _Builder:
@@ -225,14 +251,15 @@ class _Builder:
         self.m = m
         self.no_backward = no_backward
         self.units: dict[_Unit, StageSlot] = {
-            (rank, slot.module): slot for rank in range(layout.world_size) for slot in layout.scheduled_slots(rank)
+            (rank, slot.module, slot.chunk): slot for rank in range(layout.world_size) for slot in layout.scheduled_slots(rank)
         }
         self.needed_inputs = {u: len(layout.forward_sources(s)) for u, s in self.units.items()}
         self.needed_grads = {u: len(layout.forward_targets(s)) for u, s in self.units.items()}
         # every consumer of a trained module is trained (no_backward is closed upstream),
         # so a trained module gets a gradient from each of its targets
         self.consumers = {
-            u: sorted({(peer.rank, dst) for dst, peer in layout.forward_targets(s)}) for u, s in self.units.items()
+            u: sorted({(peer.rank, dst, layout.peer_chunk(s, dst, True)) for dst, peer in layout.forward_targets(s)})
+            for u, s in self.units.items()
         }
         # gradients this unit sends upstream: none when every producer runs no backward
         self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.units.items()}
@@ -252,7 +279,8 @@ def _forward_transfers(layout: PipelineLayout, slot: StageSlot, rank: int, k: in
     """``(sender, transfer at the sender, receiver)`` of the output of ``slot``'s forward of ``k``."""
     out = []
     for dst_module, peer in layout.forward_targets(slot):
-        key = MessageKey(Direction.FORWARD, slot.module, dst_module, k)
+        key = MessageKey(Direction.FORWARD, slot.module, dst_module, k, slot.chunk,
+                         layout.peer_chunk(slot, dst_module, True))
         out.append((rank, Transfer(key, peer.rank), peer.rank))
     return out
 
@@ -264,7 +292,8 @@ def _gradient_transfers(
     out = []
     for src_module, peer in layout.forward_sources(slot):
         if src_module not in no_backward:
-            key = MessageKey(Direction.BACKWARD, src_module, slot.module, k)
+            key = MessageKey(Direction.BACKWARD, src_module, slot.module, k,
+                             layout.peer_chunk(slot, src_module, False), slot.chunk)
             out.append((rank, Transfer(key, peer.rank), peer.rank))
     return out
 
@@ -338,12 +367,12 @@ class _LockstepBuilder(_Builder):
             for rank in range(world):
                 slots = layout.scheduled_slots(rank)
                 for slot in reversed(slots):  # backwards first, downstream modules first
-                    unit = (rank, slot.module)
+                    unit = (rank, slot.module, slot.chunk)
                     if self._backward_ready(unit, tick):
                         computes.append((unit, Phase.BACKWARD, self.next_b[unit]))
                 chosen = {u for u, _, _ in computes}
                 for slot in slots:
-                    unit = (rank, slot.module)
+                    unit = (rank, slot.module, slot.chunk)
                     if unit not in chosen and self._forward_ready(unit):
                         computes.append((unit, Phase.FORWARD, self.next_f[unit]))
             if not computes:
@@ -355,9 +384,9 @@ class _LockstepBuilder(_Builder):
             recvs: dict[int, list[Transfer]] = defaultdict(list)
             arrivals: list[tuple[dict, tuple[_Unit, int]]] = []
             for unit, phase, k in computes:
-                rank, module = unit
+                rank, module, chunk = unit
                 slot = self.units[unit]
-                actions[rank].append(Compute(phase, module, k))
+                actions[rank].append(Compute(phase, module, k, chunk))
                 if phase is Phase.FORWARD:
                     self.next_f[unit] += 1
                     self.forward_done_tick[(unit, k)] = tick
@@ -370,8 +399,8 @@ class _LockstepBuilder(_Builder):
                 for sender, t, receiver in transfers:
                     sends[sender].append(t)
                     recvs[receiver].append(t.mirror(sender))
-                    target = t.dst_module if phase is Phase.FORWARD else t.src_module
-                    arrivals.append((counter, ((receiver, target), k)))
+                    target = t.key.consumer if phase is Phase.FORWARD else t.key.producer
+                    arrivals.append((counter, ((receiver, *target), k)))
             for counter, key in arrivals:  # delivered for the next tick
                 counter[key] += 1
             for rank, exchange in _exchanges(sends, recvs):
@@ -380,12 +409,34 @@ class _LockstepBuilder(_Builder):
         return Schedule(self.name, self.m, self.forward_only, tuple(tuple(a) for a in actions))
 
 
-class _TimedBuilder(_Builder):
-    """zero_bubble: every rank runs one compute at a time on a clock with :class:`PhaseCosts`.
+def _fullest_1f1b_rank(
+    layout: PipelineLayout, m: int, numbering: Numbering, no_backward: frozenset[str], extra: int
+) -> float:
+    """What 1F1B's fullest rank holds, in whole stages' microbatches: the largest sum over a rank's
+    trained modules of ``min(m, depth - index + extra)``, on the layout without virtual stages (a
+    module's chunks on one rank together hold one stage's worth of layers)."""
+    pp = {module: p.pp for module, p in layout.placements.items()}
+    plain = layout.topology.stage_numbering(pp)
+    per_rank: dict[int, float] = defaultdict(float)
+    for rank in range(layout.world_size):
+        for slot in layout.scheduled_slots(rank):
+            if slot.module in no_backward or slot.chunk:
+                continue
+            position = layout.placements[slot.module].position(slot.stage, layout.v_shape)
+            per_rank[rank] += min(m, plain.depth - plain.index(slot.module, position, numbering) + extra)
+    return max(per_rank.values(), default=0.0)
 
-    Whenever a rank is free it starts, among the units it holds, an ``I`` whose gradients
-    arrived (downstream modules first), else a forward whose inputs arrived and that the
-    memory rule allows, else the oldest pending ``W``. A message produced by a compute that
+
+class _TimedBuilder(_Builder):
+    """zero_bubble, zbv and interleaved_1f1b: every rank runs one compute at a time on a clock with
+    :class:`PhaseCosts`.
+
+    Whenever a rank is free it starts, among the stages (units) it holds, a backward whose
+    gradients arrived (an ``I`` when the schedule splits backwards, else a fused ``B``;
+    downstream modules and deeper chunks first), else a forward whose inputs arrived and that the
+    memory rule allows (deeper chunks of a module first: they are closer to the loss), else the
+    oldest pending ``W``. A stage of a module with ``virtual_stages=v`` costs ``1/v`` of a whole
+    stage. A message produced by a compute that
     ends at time ``t`` belongs to *round* ``t``; every rank posts one :class:`Exchange` per
     round it takes part in, in round order, after its computes that started before ``t`` and
     before those that start at ``t`` or later. Deadlock freedom, by induction on rounds: once
@@ -395,38 +446,77 @@ class _TimedBuilder(_Builder):
     """
 
     def __init__(
-        self, layout: PipelineLayout, m: int, numbering: Numbering, no_backward: frozenset[str],
-        memory: ZeroBubbleMemory, costs: PhaseCosts,
+        self, layout: PipelineLayout, m: int, name: ScheduleName, numbering: Numbering, no_backward: frozenset[str],
+        memory: ZeroBubbleMemory, costs: PhaseCosts, forward_first: bool = False, warmup_bound: bool = False,
+        oldest_first: bool = False,
     ) -> None:
         super().__init__(layout, m, no_backward)
+        self.name = name
+        self.split = name.split_backward
+        # the schedules over virtual stages fill the pipeline first: a forward whenever the
+        # memory rule allows one, deeper chunks first (Megatron's interleaved order on a chain)
+        self.forward_first = forward_first
+        self.oldest_first = oldest_first
         self.memory = memory
         self.costs = costs
         # 1F1B's bound per unit, always allowed (it is what keeps 1F1B from stalling)
         self.own_limit: dict[_Unit, float] = {
             u: self._own_limit(slot, numbering) + memory.extra for u, slot in self.units.items()
         }
+        # interleaved_1f1b: a module's chunks on one rank hold at most Megatron's warmup + 1
+        self.chunk_limit: dict[_Unit, int] = {}
+        self.chunk_units: dict[_Unit, list[_Unit]] = {}
+        # what a microbatch in flight on a unit weighs: 1/v of a whole stage of its module
+        self.weight = {u: 1.0 / layout.placements[u[1]].virtual_stages for u in self.units}
         trained = [u for u in self.units if u[1] not in no_backward]
+        self.virtual = layout.virtual
         if memory.bound == "max":
             # beyond it, up to 1F1B's deepest unit, while the rank holds no more than 1F1B's
             # fullest rank would
             self.unit_cap = {u: float(layout.depth + memory.extra) for u in self.units}
-            per_rank: dict[int, float] = defaultdict(float)
-            for u in trained:
-                per_rank[u[0]] += min(m, self.own_limit[u])
-            self.rank_cap = max(per_rank.values(), default=0.0)
+            self.rank_cap = _fullest_1f1b_rank(layout, m, numbering, no_backward, memory.extra)
         else:
             self.unit_cap = dict(self.own_limit)
             self.rank_cap = 0.0
+        if name is ScheduleName.INTERLEAVED_1F1B:
+            self._interleaved_limits(numbering, memory.extra, warmup_bound)
         self.trained_on_rank: dict[int, list[_Unit]] = defaultdict(list)
         for u in trained:
             self.trained_on_rank[u[0]].append(u)
-        self.next_i = {u: 0 for u in self.units}  # next I (or, without an I, next backward: the lone W)
+        # per rank: units in backward priority order, then in forward priority order
+        self.backward_order: dict[int, list[_Unit]] = {}
+        self.forward_order: dict[int, list[_Unit]] = {}
+        modules = {module: i for i, module in enumerate(layout.modules)}
+        for rank in range(layout.world_size):
+            units = [(rank, slot.module, slot.chunk) for slot in layout.scheduled_slots(rank)]
+            self.backward_order[rank] = sorted(units, key=lambda u: (-modules[u[1]], -u[2]))
+            self.forward_order[rank] = sorted(units, key=lambda u: (modules[u[1]], -u[2]))
+        self.next_i = {u: 0 for u in self.units}  # next I or fused B (or, without an I, next lone W)
         self.next_w = {u: 0 for u in self.units}
         # arrival times of the inputs / gradients of (unit, k)
         self.inputs: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
         self.grads: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
         self.forward_end: dict[tuple[_Unit, int], float] = {}
         self.ends: list[float] = []  # heap of the end times of the computes started so far
+
+    def _interleaved_limits(self, numbering: Numbering, extra: int, warmup_bound: bool) -> None:
+        """Megatron's interleaved bound, on the DAG: the chunks of a module with ``virtual_stages=v``
+        on one rank hold at most ``2 * (depth - index - 1) + (v - 1) * pp + 1`` microbatches
+        together, ``depth`` and ``index`` in the numbering without virtual stages (on a chain
+        ``depth - index - 1 = pp - 1 - rank``: Megatron's warmup plus one). A module without
+        virtual stages keeps 1F1B's bound in that numbering."""
+        layout = self.layout
+        plain = layout.topology.stage_numbering({module: p.pp for module, p in layout.placements.items()})
+        for unit, slot in self.units.items():
+            p = layout.placements[slot.module]
+            position = p.position(slot.stage, layout.v_shape)
+            remaining = plain.depth - plain.index(slot.module, position, numbering)
+            if p.virtual_stages == 1:
+                self.own_limit[unit] = remaining + extra
+            elif warmup_bound:
+                self.chunk_limit[unit] = 2 * (remaining - 1) + (p.virtual_stages - 1) * p.pp + 1 + extra
+                self.chunk_units[unit] = [u for u in self.units if u[:2] == unit[:2]]
+            self.unit_cap[unit] = self.own_limit[unit]  # nothing deferred: never beyond the own bound
 
     # --- readiness at time ``now`` ----------------------------------------------------------
 
@@ -439,9 +529,12 @@ class _TimedBuilder(_Builder):
         return self._arrived(self.grads[(unit, k)], self.needed_grads[unit], now)
 
     def _input_ready(self, unit: _Unit, now: float) -> bool:
+        """An ``I`` (split schedules) or a fused ``B`` can start."""
         k = self.next_i[unit]
-        if unit[1] in self.no_backward or not self.sends_grads[unit] or k >= self.next_f[unit]:
+        if unit[1] in self.no_backward or k >= self.next_f[unit]:
             return False
+        if self.split and not self.sends_grads[unit]:
+            return False  # its whole backward is a lone W
         return self._grads_ready(unit, k, now)
 
     def _forward_ready(self, unit: _Unit, now: float) -> bool:
@@ -455,23 +548,34 @@ class _TimedBuilder(_Builder):
         else:
             in_flight = self._held(unit)
             within_own = in_flight + 1 <= self.own_limit[unit] + 1e-9
+            if unit in self.chunk_limit and in_flight >= 1:  # interleaved: the module's chunks on the rank together
+                held = sum(self._held(u) for u in self.chunk_units[unit])
+                if held + 1 > self.chunk_limit[unit]:
+                    return False
+            if within_own and self.virtual and self.split and in_flight >= 1:  # zbv
+                # chunks share their rank's memory: the virtual bounds of a rank's chunks add up
+                # to more than 1F1B's, so they hold what 1F1B's fullest rank does at most
+                total = sum(self.weight[u] * self._held(u) for u in self.trained_on_rank[unit[0]])
+                within_own = total + self.weight[unit] <= self.rank_cap + 1e-9
             if not within_own:
                 # room beyond the unit's own 1F1B bound, keeping the others' own bounds free
                 others = [u for u in self.trained_on_rank[unit[0]] if u != unit]
-                reserved = sum(max(self._held(u), min(self.m, self.own_limit[u])) for u in others)
-                if in_flight + 1 > self.unit_cap[unit] + 1e-9 or in_flight + 1 + reserved > self.rank_cap + 1e-9:
+                reserved = sum(self.weight[u] * max(self._held(u), min(self.m, self.own_limit[u])) for u in others)
+                mine = self.weight[unit] * (in_flight + 1)
+                if in_flight + 1 > self.unit_cap[unit] + 1e-9 or mine + reserved > self.rank_cap + 1e-9:
                     return False
         return self._arrived(self.inputs[(unit, k)], self.needed_inputs[unit], now)
 
     def _held(self, unit: _Unit) -> float:
-        """What a trained unit holds: whole microbatches until their I, ``weight_fraction`` after."""
-        if not self.sends_grads[unit]:
+        """What a trained unit holds, in its microbatches: whole ones until their I (or B),
+        ``weight_fraction`` after."""
+        if not self.split or not self.sends_grads[unit]:
             return self.next_f[unit] - self.next_w[unit]
         full = self.next_f[unit] - self.next_i[unit]
         return full + self.memory.weight_fraction * (self.next_i[unit] - self.next_w[unit])
 
     def _weight_ready(self, unit: _Unit, now: float) -> bool:
-        if unit[1] in self.no_backward:
+        if unit[1] in self.no_backward or not self.split:
             return False
         k = self.next_w[unit]
         if self.sends_grads[unit]:
@@ -479,14 +583,31 @@ class _TimedBuilder(_Builder):
         return k < self.next_f[unit] and self._grads_ready(unit, k, now)
 
     def _choose(self, rank: int, now: float) -> Optional[tuple[_Unit, Phase]]:
-        slots = self.layout.scheduled_slots(rank)
-        for slot in reversed(slots):  # downstream modules first
-            if self._input_ready((rank, slot.module), now):
-                return (rank, slot.module), Phase.BACKWARD_INPUT
-        for slot in slots:
-            if self._forward_ready((rank, slot.module), now):
-                return (rank, slot.module), Phase.FORWARD
-        pending = [(rank, s.module) for s in reversed(slots) if self._weight_ready((rank, s.module), now)]
+        backward = Phase.BACKWARD_INPUT if self.split else Phase.BACKWARD
+        if self.oldest_first:
+            fs = [u for u in self.forward_order[rank] if self._forward_ready(u, now)]
+            bs = [u for u in self.backward_order[rank] if self._input_ready(u, now)]
+            f = min(fs, key=lambda u: self.next_f[u]) if fs else None
+            b = min(bs, key=lambda u: self.next_i[u]) if bs else None
+            order = [(f, Phase.FORWARD), (b, backward)] if self.forward_first else [(b, backward), (f, Phase.FORWARD)]
+            for u, ph in order:
+                if u is not None:
+                    return u, ph
+            pending = [u for u in self.backward_order[rank] if self._weight_ready(u, now)]
+            if pending:
+                return min(pending, key=lambda u: self.next_w[u]), Phase.BACKWARD_WEIGHT
+            return None
+        if self.forward_first:
+            for unit in self.forward_order[rank]:
+                if self._forward_ready(unit, now):
+                    return unit, Phase.FORWARD
+        for unit in self.backward_order[rank]:
+            if self._input_ready(unit, now):
+                return unit, backward
+        for unit in self.forward_order[rank]:
+            if self._forward_ready(unit, now):
+                return unit, Phase.FORWARD
+        pending = [u for u in self.backward_order[rank] if self._weight_ready(u, now)]
         if pending:
             return min(pending, key=lambda u: self.next_w[u]), Phase.BACKWARD_WEIGHT
         return None
@@ -498,10 +619,14 @@ class _TimedBuilder(_Builder):
 
     def _cost(self, unit: _Unit, phase: Phase) -> float:
         if phase is Phase.FORWARD:
-            return self.costs.forward
-        if phase is Phase.BACKWARD_INPUT:
-            return self.costs.input
-        return self.costs.weight if self.sends_grads[unit] else self.costs.lone_weight_cost
+            cost = self.costs.forward
+        elif phase is Phase.BACKWARD_INPUT:
+            cost = self.costs.input
+        elif phase is Phase.BACKWARD:
+            cost = self.costs.input + self.costs.weight
+        else:
+            cost = self.costs.weight if self.sends_grads[unit] else self.costs.lone_weight_cost
+        return cost * self.weight[unit]
 
     # --- the clock ------------------------------------------------------------------------
 
@@ -529,7 +654,7 @@ class _TimedBuilder(_Builder):
                 if self._done():
                     break
                 raise RuntimeError(
-                    f"internal error: zero_bubble stalled at time {now} (next forwards {self.next_f}, "
+                    f"internal error: {self.name} stalled at time {now} (next forwards {self.next_f}, "
                     f"next I {self.next_i}, next W {self.next_w})"
                 )
             now = heapq.heappop(self.ends)
@@ -537,10 +662,11 @@ class _TimedBuilder(_Builder):
             for rank, exchange in _exchanges(sends, recvs):
                 timeline[rank].append((time, 0, exchange))
         actions = tuple(tuple(a for _, _, a in sorted(events, key=lambda e: e[:2])) for events in timeline)
-        return Schedule(ScheduleName.ZERO_BUBBLE, self.m, False, actions)
+        self.makespan = max(free_at)
+        return Schedule(self.name, self.m, False, actions)
 
     def _run(self, unit: _Unit, phase: Phase, now: float, timeline: list, rounds: dict, free_at: list) -> None:
-        rank, module = unit
+        rank, module, chunk = unit
         slot = self.units[unit]
         end = round(now + self._cost(unit, phase), 9)
         free_at[rank] = end
@@ -550,9 +676,11 @@ class _TimedBuilder(_Builder):
             self.next_f[unit] += 1
             self.forward_end[(unit, k)] = end
             transfers = _forward_transfers(self.layout, slot, rank, k)
-        elif phase is Phase.BACKWARD_INPUT:
+        elif phase in (Phase.BACKWARD_INPUT, Phase.BACKWARD):
             k = self.next_i[unit]
             self.next_i[unit] += 1
+            if phase is Phase.BACKWARD:
+                self.next_w[unit] += 1  # nothing deferred
             transfers = _gradient_transfers(self.layout, slot, rank, k, self.no_backward)
         else:
             k = self.next_w[unit]
@@ -560,16 +688,16 @@ class _TimedBuilder(_Builder):
             if not self.sends_grads[unit]:
                 self.next_i[unit] += 1  # the lone W was the whole backward
             transfers = []
-        timeline[rank].append((now, 1, Compute(phase, module, k)))
+        timeline[rank].append((now, 1, Compute(phase, module, k, chunk)))
         if transfers:
             sends, recvs = rounds.setdefault(end, ({}, {}))
             for sender, t, receiver in transfers:
                 sends.setdefault(sender, []).append(t)
                 recvs.setdefault(receiver, []).append(t.mirror(sender))
                 if phase is Phase.FORWARD:
-                    self.inputs[((receiver, t.dst_module), k)].append(end)
+                    self.inputs[((receiver, *t.key.consumer), k)].append(end)
                 else:
-                    self.grads[((receiver, t.src_module), k)].append(end)
+                    self.grads[((receiver, *t.key.producer), k)].append(end)
 
 
 def message_groups(transfers: Sequence[Transfer]) -> dict[MessageKey, list[Transfer]]:

@@ -13,7 +13,10 @@ per phase and per ``(module, stage)``. Two ways of completing an
   asynchronously); an exchange completes when the sends it receives from were posted.
 
 Costs: ``forward_cost`` (F), ``backward_cost`` (a fused B), ``input_cost`` (I) and
-``weight_cost`` (W), each a number or a function ``(module, stage) -> seconds``. ``I`` and
+``weight_cost`` (W), each a number or a function ``(module, stage) -> seconds``. A number is
+the cost of a whole stage of a module without virtual stages; a chunk of a module with
+``virtual_stages=v`` costs ``1/v`` of it (its layers are split ``v`` times finer). A function
+gets the stage index (``0 .. pp * v - 1``) and returns that stage's own cost. ``I`` and
 ``W`` default to half the fused cost. A ``W`` without an ``I`` (a stage whose inputs need no
 gradient) is that stage's whole backward and costs ``backward_cost``, as the fused ``B`` of
 1F1B does, so the schedules are compared on the same work.
@@ -43,9 +46,11 @@ class SimulationResult:
     """What :func:`simulate` measured on its virtual clock.
 
     ``peak_stashed`` counts, per rank, the most microbatches held at once between a forward
-    and its last backward piece (the fused ``B`` or the ``W``); ``peak_stash_units`` weighs a
-    microbatch between its ``I`` and its ``W`` by ``weight_stash`` (what a deferred ``W``
-    keeps, relative to a whole microbatch).
+    and its last backward piece (the fused ``B`` or the ``W``), one per stage (chunk) holding
+    it; ``peak_stash_units`` weighs a microbatch between its ``I`` and its ``W`` by
+    ``weight_stash`` (what a deferred ``W`` keeps, relative to a whole microbatch), and one on a
+    chunk of a module with ``virtual_stages=v`` by ``1/v`` (the chunk holds ``1/v`` of a stage's
+    layers), so ranks compare in whole stages' activations.
     """
 
     step_time: float
@@ -66,20 +71,25 @@ class SimulationResult:
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
 
 
-def _cost_fn(cost: CostFn | float) -> CostFn:
-    return cost if callable(cost) else (lambda module, stage, c=float(cost): c)
+def _cost_fn(cost: CostFn | float, layout: PipelineLayout) -> CostFn:
+    """A function ``(module, stage) -> seconds``; a number is a whole stage's cost, ``1/v`` of it per chunk."""
+    if callable(cost):
+        return cost
+    per_stage = {m: float(cost) / p.virtual_stages for m, p in layout.placements.items()}
+    return lambda module, stage: per_stage[module]
 
 
-def _identity(t: Transfer) -> tuple[bool, str, str, int]:
+def _identity(t: Transfer) -> tuple[bool, str, str, int, int, int]:
     """A transfer's message as a plain tuple (hashing the frozen dataclasses dominated planning)."""
     key = t.key
-    return (key.direction is Direction.FORWARD, key.src_module, key.dst_module, key.microbatch)
+    return (key.direction is Direction.FORWARD, key.src_module, key.dst_module, key.microbatch, key.src_chunk,
+            key.dst_chunk)
 
 
 def _partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]:
     """Per rank and action index: the ``(peer, its action index)`` of every send and of every
     receive of that action (empty lists for computes)."""
-    posts: dict[tuple[int, int, tuple[bool, str, str, int], bool], int] = {}  # (rank, peer, message, is send)
+    posts: dict[tuple[int, int, tuple[bool, str, str, int, int, int], bool], int] = {}  # (rank, peer, message, is send)
     for rank, actions in enumerate(schedule.actions):
         for i, action in enumerate(actions):
             if isinstance(action, Exchange):
@@ -122,32 +132,34 @@ class _PhaseCosts:
     def __init__(
         self,
         schedule: Schedule,
+        layout: PipelineLayout,
         forward_cost: CostFn | float,
         backward_cost: CostFn | float,
         input_cost: Optional[CostFn | float],
         weight_cost: Optional[CostFn | float],
     ) -> None:
-        fused = _cost_fn(backward_cost)
+        fused = _cost_fn(backward_cost, layout)
         self.fused = fused
+        half = lambda m, s: fused(m, s) / 2  # noqa: E731
         self.by_phase = {
-            Phase.FORWARD: _cost_fn(forward_cost),
+            Phase.FORWARD: _cost_fn(forward_cost, layout),
             Phase.BACKWARD: fused,
-            Phase.BACKWARD_INPUT: _cost_fn(input_cost) if input_cost is not None else (lambda m, s: fused(m, s) / 2),
-            Phase.BACKWARD_WEIGHT: _cost_fn(weight_cost) if weight_cost is not None else (lambda m, s: fused(m, s) / 2),
+            Phase.BACKWARD_INPUT: _cost_fn(input_cost, layout) if input_cost is not None else half,
+            Phase.BACKWARD_WEIGHT: _cost_fn(weight_cost, layout) if weight_cost is not None else half,
         }
         # (rank, module) units that run an I: their W is the second half; elsewhere W is the whole backward
         self.with_input_half = _units_running(schedule, lambda phase: phase is Phase.BACKWARD_INPUT)
 
     def seconds(self, rank: int, action: Compute, stage: int) -> float:
-        if action.phase is Phase.BACKWARD_WEIGHT and (rank, action.module) not in self.with_input_half:
+        if action.phase is Phase.BACKWARD_WEIGHT and (rank, *action.unit) not in self.with_input_half:
             return self.fused(action.module, stage)
         return self.by_phase[action.phase](action.module, stage)
 
 
-def _units_running(schedule: Schedule, phase_matches: Callable[[Phase], bool]) -> set[tuple[int, str]]:
-    """The ``(rank, module)`` units with a compute whose phase matches."""
+def _units_running(schedule: Schedule, phase_matches: Callable[[Phase], bool]) -> set[tuple[int, str, int]]:
+    """The ``(rank, module, chunk)`` units with a compute whose phase matches."""
     return {
-        (rank, a.module) for rank, actions in enumerate(schedule.actions) for a in actions
+        (rank, *a.unit) for rank, actions in enumerate(schedule.actions) for a in actions
         if isinstance(a, Compute) and phase_matches(a.phase)
     }
 
@@ -155,31 +167,42 @@ def _units_running(schedule: Schedule, phase_matches: Callable[[Phase], bool]) -
 class _StashCounter:
     """Microbatches each rank holds between a forward and its last backward piece, and their peaks."""
 
-    def __init__(self, schedule: Schedule, with_input_half: set[tuple[int, str]], weight_stash: float) -> None:
+    def __init__(
+        self, schedule: Schedule, layout: PipelineLayout, with_input_half: set[tuple[int, str, int]], weight_stash: float
+    ) -> None:
         world = schedule.world_size
         self.trained = _units_running(schedule, lambda phase: phase.is_backward)
         self.with_input_half = with_input_half
         self.weight_stash = weight_stash
+        self.size = {m: 1.0 / p.virtual_stages for m, p in layout.placements.items()}
+        self.full_units = [0.0] * world
+        self.deferred_units = [0.0] * world
         self.full = [0] * world  # microbatches between F and I (or the fused B / whole W)
         self.deferred = [0] * world  # microbatches between I and W
         self.peak = [0] * world
         self.peak_units = [0.0] * world
 
     def count(self, rank: int, action: Compute) -> None:
-        if (rank, action.module) not in self.trained:
+        unit = (rank, *action.unit)
+        if unit not in self.trained:
             return
         phase = action.phase
+        size = self.size[action.module]
         if phase is Phase.FORWARD:
-            self.full[rank] += 1
+            full, deferred = 1, 0
         elif phase is Phase.BACKWARD_INPUT:
-            self.full[rank] -= 1
-            self.deferred[rank] += 1
-        elif phase is Phase.BACKWARD_WEIGHT and (rank, action.module) in self.with_input_half:
-            self.deferred[rank] -= 1
+            full, deferred = -1, 1
+        elif phase is Phase.BACKWARD_WEIGHT and unit in self.with_input_half:
+            full, deferred = 0, -1
         else:
-            self.full[rank] -= 1
+            full, deferred = -1, 0
+        self.full[rank] += full
+        self.deferred[rank] += deferred
+        self.full_units[rank] += full * size
+        self.deferred_units[rank] += deferred * size
         self.peak[rank] = max(self.peak[rank], self.full[rank] + self.deferred[rank])
-        self.peak_units[rank] = max(self.peak_units[rank], self.full[rank] + self.weight_stash * self.deferred[rank])
+        held = self.full_units[rank] + self.weight_stash * self.deferred_units[rank]
+        self.peak_units[rank] = max(self.peak_units[rank], round(held, 9))
 
 
 def simulate(
@@ -200,8 +223,8 @@ def simulate(
     :class:`~lightning_mmpp.errors.PipelineConfigError`.
     """
     rendezvous = SimulatorMode.parse(mode) is SimulatorMode.RENDEZVOUS
-    costs = _PhaseCosts(schedule, forward_cost, backward_cost, input_cost, weight_cost)
-    stash = _StashCounter(schedule, costs.with_input_half, weight_stash)
+    costs = _PhaseCosts(schedule, layout, forward_cost, backward_cost, input_cost, weight_cost)
+    stash = _StashCounter(schedule, layout, costs.with_input_half, weight_stash)
     world = layout.world_size
     actions = schedule.actions
     partner = _partners(schedule)
@@ -230,7 +253,10 @@ def simulate(
                 i = pc[rank]
                 action = actions[rank][i]
                 if isinstance(action, Compute):
-                    seconds = costs.seconds(rank, action, layout.slot(rank, action.module).stage)
+                    slot = layout.slot(rank, action.module, action.chunk)
+                    if slot is None:
+                        raise DeadlockError(f"rank {rank} computes {action} but holds no such stage")
+                    seconds = costs.seconds(rank, action, slot.stage)
                     computes.append((rank, clock[rank], clock[rank] + seconds, action))
                     clock[rank] += seconds
                     busy[rank] += seconds
@@ -295,16 +321,18 @@ def _expected_transfers(layout: PipelineLayout, m: int, training: bool, no_backw
         for slot in layout.scheduled_slots(rank):
             for k in range(m):
                 for dst, peer in layout.forward_targets(slot):
-                    key = MessageKey(Direction.FORWARD, slot.module, dst, k)
+                    chunks = (slot.chunk, layout.peer_chunk(slot, dst, True))
+                    key = MessageKey(Direction.FORWARD, slot.module, dst, k, *chunks)
                     expected[(rank, "send", Transfer(key, peer.rank))] += 1
                     if training and slot.module not in no_backward:
-                        back = MessageKey(Direction.BACKWARD, slot.module, dst, k)
+                        back = MessageKey(Direction.BACKWARD, slot.module, dst, k, *chunks)
                         expected[(rank, "recv", Transfer(back, peer.rank))] += 1
                 for src, peer in layout.forward_sources(slot):
-                    key = MessageKey(Direction.FORWARD, src, slot.module, k)
+                    chunks = (layout.peer_chunk(slot, src, False), slot.chunk)
+                    key = MessageKey(Direction.FORWARD, src, slot.module, k, *chunks)
                     expected[(rank, "recv", Transfer(key, peer.rank))] += 1
                     if training and src not in no_backward:
-                        back = MessageKey(Direction.BACKWARD, src, slot.module, k)
+                        back = MessageKey(Direction.BACKWARD, src, slot.module, k, *chunks)
                         expected[(rank, "send", Transfer(back, peer.rank))] += 1
     return expected
 
@@ -326,9 +354,9 @@ class _RankCheck:
         self.posted = posted
         self.m = schedule.num_microbatches
         self.training = not schedule.forward_only
-        self.held = {s.module: s for s in layout.scheduled_slots(rank)}
-        self.arrived: Counter = Counter()  # (direction, module, k) -> transfers received
-        self.done: dict[tuple[str, int], list[Phase]] = defaultdict(list)
+        self.held = {(s.module, s.chunk): s for s in layout.scheduled_slots(rank)}
+        self.arrived: Counter = Counter()  # (direction, (module, chunk), k) -> transfers received
+        self.done: dict[tuple[tuple[str, int], int], list[Phase]] = defaultdict(list)
         self.message_exchange: dict[tuple[str, MessageKey], int] = {}
 
     def run(self) -> None:
@@ -349,30 +377,31 @@ class _RankCheck:
                     self.fail(f"rank {rank} splits message {t.key} over actions {first} and {i}; post all its "
                               "transfers in one exchange.")
                 if role == "recv":
-                    module = t.dst_module if t.direction is Direction.FORWARD else t.src_module
-                    self.arrived[(t.direction, module, t.microbatch)] += 1
+                    unit = t.key.consumer if t.direction is Direction.FORWARD else t.key.producer
+                    self.arrived[(t.direction, unit, t.microbatch)] += 1
                     continue
                 if t.direction is Direction.FORWARD:
-                    ready = Phase.FORWARD in self.done[(t.src_module, t.microbatch)]
+                    ready = Phase.FORWARD in self.done[(t.key.producer, t.microbatch)]
                 else:
-                    phases = self.done[(t.dst_module, t.microbatch)]
+                    phases = self.done[(t.key.consumer, t.microbatch)]
                     ready = Phase.BACKWARD in phases or Phase.BACKWARD_INPUT in phases
                 if not ready:
                     self.fail(f"rank {rank} sends {t} (action {i}) before computing it.")
 
     def compute(self, i: int, action: Compute) -> None:
         rank = self.rank
-        slot = self.held.get(action.module)
+        slot = self.held.get(action.unit)
         if slot is None:
-            self.fail(f"rank {rank} computes {action} but holds no stage of {action.module!r}.")
+            what = f"stage of {action.module!r}" if action.chunk == 0 else f"chunk {action.chunk} of {action.module!r}"
+            self.fail(f"rank {rank} computes {action} but holds no {what}.")
         k = action.microbatch
         if not 0 <= k < self.m:
             self.fail(f"rank {rank} computes {action}: microbatch outside 0..{self.m - 1}.")
-        phases = self.done[(action.module, k)]
+        phases = self.done[(action.unit, k)]
         if action.phase in phases:
             self.fail(f"rank {rank} computes {action} twice.")
         if action.phase is Phase.FORWARD:
-            if self.arrived[(Direction.FORWARD, action.module, k)] != len(self.layout.forward_sources(slot)):
+            if self.arrived[(Direction.FORWARD, action.unit, k)] != len(self.layout.forward_sources(slot)):
                 self.fail(f"rank {rank} computes {action} (action {i}) before its inputs arrive.")
         else:
             self.backward(i, action, slot, phases)
@@ -392,15 +421,15 @@ class _RankCheck:
         if lone_w and self.layout.sends_input_gradients(slot, self.no_backward):
             self.fail(f"rank {rank} computes {action} without its I: stage {slot.stage} of "
                       f"{action.module!r} must send input gradients upstream (use I then W, or B).")
-        if self.arrived[(Direction.BACKWARD, action.module, action.microbatch)] != len(self.layout.forward_targets(slot)):
+        if self.arrived[(Direction.BACKWARD, action.unit, action.microbatch)] != len(self.layout.forward_targets(slot)):
             self.fail(f"rank {rank} computes {action} (action {i}) before its gradients arrive.")
 
     def finish(self) -> None:
-        for module in self.held:
+        for (module, chunk) in self.held:
             for k in range(self.m):
-                phases = self.done[(module, k)]
+                phases = self.done[((module, chunk), k)]
                 if Phase.FORWARD not in phases:
-                    self.fail(f"rank {self.rank} never computes F{k}:{module}.")
+                    self.fail(f"rank {self.rank} never computes {Compute(Phase.FORWARD, module, k, chunk)}.")
                 trained = self.training and module not in self.no_backward
                 if trained and Phase.BACKWARD not in phases and Phase.BACKWARD_WEIGHT not in phases:
                     self.fail(f"rank {self.rank} never completes the backward of microbatch {k} of {module!r} "
