@@ -517,6 +517,18 @@ def check_engine_options(
     collective; returns the schedule and the stage numbering parsed."""
     parsed = check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
     check_memory_options(layout.placements, parsed[0])
+    if layout.virtual and layout.v_shape != parsed[0].v_shape:
+        raise PipelineConfigError(
+            f"schedule={str(parsed[0])!r} with virtual stages needs the layout's chunks "
+            + ("V-shaped: build it as PipelineLayout(..., v_shape=True)." if parsed[0].v_shape else
+               "interleaved: build it as PipelineLayout(..., v_shape=False) (V-shaped chunks are for 'zbv').")
+        )
+    if layout.virtual:
+        virtual = sorted(m for m, p in layout.placements.items() if p.virtual_stages > 1)
+        raise PipelineConfigError(
+            f"modules {virtual} have virtual_stages > 1, which the engine does not run yet (the schedules and the "
+            "simulator do); give them virtual_stages=1."
+        )
     if not isinstance(static_shapes, bool):
         raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")
     unknown = sorted(set(pretrained or {}) - set(layout.placements))

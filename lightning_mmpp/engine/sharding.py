@@ -151,9 +151,9 @@ def dp_mesh(group: Any, device: torch.device) -> Any:
 def check_memory_options(placements: Mapping[str, Any], schedule: ScheduleName | str) -> None:
     """User errors of ``shard``/``recompute`` that need no model, raised on every rank at construction."""
     sharded = sorted(m for m, p in placements.items() if p.shard)
-    if sharded and schedule == ScheduleName.ZERO_BUBBLE:
+    if sharded and ScheduleName.parse(schedule).split_backward:
         raise PipelineConfigError(
-            f"modules {sharded} have shard=True, which schedule='zero_bubble' does not support: its split backward "
+            f"modules {sharded} have shard=True, which schedule='{schedule}' does not support: its split backward "
             "runs the weight half of a layer apart from its input half, and FSDP2 reduce-scatters a layer's "
             "gradients when its backward ends. Use schedule='1f1b' with shard=True, or shard=False."
         )

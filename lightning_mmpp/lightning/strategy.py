@@ -115,7 +115,10 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             raise PipelineConfigError(f"start_method={start_method!r}: choose 'popen', 'spawn' or 'fork'.")
         self._placements = dict(placements)
         # with ``topology=None`` the layout is built when the model (its ``pipeline_topology``) connects
-        self._layout: Optional[PipelineLayout] = None if topology is None else PipelineLayout(placements, topology)
+        self._v_shape = ScheduleName.parse(schedule).v_shape  # zbv places chunks V-shaped
+        self._layout: Optional[PipelineLayout] = (
+            None if topology is None else PipelineLayout(placements, topology, v_shape=self._v_shape)
+        )
         self.num_microbatches = num_microbatches
         self.schedule_name = schedule
         self.stage_numbering = stage_numbering
@@ -134,7 +137,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         self._preemption: Optional[PreemptionHandler] = None
 
     def _check_options(self) -> None:
-        placeholder = self._layout or PipelineLayout(self._placements, {m: [] for m in self._placements})
+        placeholder = self._layout or PipelineLayout(
+            self._placements, {m: [] for m in self._placements}, v_shape=self._v_shape
+        )
         self.schedule_name, self.stage_numbering = check_engine_options(
             placeholder if self._layout is None else self._layout, self.num_microbatches, self.schedule_name,
             self.stage_numbering, self.static_shapes, self.pretrained,
@@ -229,7 +234,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             microbatch_count(loader.batch_size, self.num_microbatches, self.layout.batch_divisor)  # type: ignore[arg-type]
 
     def _connect_topology(self, model: Any) -> None:
-        self._layout = resolve_topology(model, self._placements, self._layout)
+        self._layout = resolve_topology(model, self._placements, self._layout, v_shape=self._v_shape)
         self._check_options()
 
     def connect(self, model: Any) -> None:

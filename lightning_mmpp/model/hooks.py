@@ -51,10 +51,10 @@ def pipeline_loss_caller(hooks: Any) -> Callable[[str, Any, Any], Any]:
 
 
 def resolve_topology(
-    model: Any, placements: Mapping[str, Any], layout: Optional[PipelineLayout]
+    model: Any, placements: Mapping[str, Any], layout: Optional[PipelineLayout], v_shape: bool = False
 ) -> PipelineLayout:
     """The layout of ``placements`` over the model's ``pipeline_topology`` (or ``layout``'s, given
-    to the strategy); when both exist they must agree."""
+    to the strategy); when both exist they must agree. ``v_shape``: chunks placed for ``"zbv"``."""
     declared = getattr(model, "pipeline_topology", None)
     if declared is None:
         if layout is None:
@@ -68,7 +68,7 @@ def resolve_topology(
     except PipelineConfigError as err:
         raise PipelineConfigError(f"{type(model).__name__}.pipeline_topology: {err}") from None
     if layout is None:
-        return PipelineLayout(placements, ours)
+        return PipelineLayout(placements, ours, v_shape=v_shape)
     if _edges(ours) != _edges(layout.topology):
         raise PipelineConfigError(
             f"{type(model).__name__}.pipeline_topology {_edges(ours)} and the strategy's topology= "
