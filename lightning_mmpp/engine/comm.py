@@ -449,6 +449,9 @@ class MultiModuleCommunicator:
         self._packed: set[tuple[int, Direction, str, str]] = set()
         # which samples every replica holds in this step's microbatches (bridges routed by item count)
         self.routing: Optional[SampleRouting] = None
+        # the layout is fixed: this rank's slot and the peers at the other end of each edge,
+        # resolved on first use (key: (this end's module, the other end's module, downstream))
+        self._peer_cache: dict[tuple[str, str, bool], tuple[StageSlot, list[BridgePeer]]] = {}
 
     # --- public API ----------------------------------------------------------------------
 
@@ -659,6 +662,9 @@ class MultiModuleCommunicator:
         """This rank's slot at one end of ``key``'s edge (``downstream``: the producing end) and
         the peers at the other end, in chunk order."""
         mine, theirs = (key.src_module, key.dst_module) if downstream else (key.dst_module, key.src_module)
+        cached = self._peer_cache.get((mine, theirs, downstream))
+        if cached is not None:
+            return cached
         slot = self._slot(mine)
         edges = self.layout.forward_targets(slot) if downstream else self.layout.forward_sources(slot)
         peers = [peer for module, peer in edges if module == theirs]
@@ -669,7 +675,9 @@ class MultiModuleCommunicator:
                 f"'{_describe(key)}': the {what} of rank {self.rank}'s stage {slot.stage} of {mine!r} does not {verb} "
                 f"{theirs!r}; its {others} are {self._distinct(edges) or f'none ({none})'}."
             )
-        return slot, sorted(peers, key=lambda p: p.chunk)
+        resolved = (slot, sorted(peers, key=lambda p: p.chunk))
+        self._peer_cache[(mine, theirs, downstream)] = resolved
+        return resolved
 
     def _bridge_context(self, key: MessageKey, kind: str) -> str:
         du = self.layout.placements[key.src_module].dp
@@ -772,7 +780,7 @@ class MultiModuleCommunicator:
                 )
             else:
                 full.append(grad.detach().to(meta.dtype))
-        dims = leaf_batch_dims(combined, self._batch_dim(key))
+        dims = leaf_batch_dims(combined, self._batch_dim(key)) if len(peer_states) > 1 else []
         starts = [0] * len(full)
         for peer_state in peer_states:
             spec = peer_state.spec
