@@ -33,7 +33,7 @@ def test_layout_and_errors():
         {"llm": P(pp=2, dp=2), "proj": P(dp=2, rank_offset=1)},  # straddles two stages' replicas
         {"llm": P(pp=2), "proj": P(pp=2, rank_offset=1)},  # pp > 1 on both
     ):
-        with pytest.raises(PipelineConfigError, match="pp=1 module with the other's dp on exactly the ranks"):
+        with pytest.raises(PipelineConfigError, match="pp=1 module with the other's dp and tp on exactly the ranks"):
             PipelineLayout(placements, {"proj": ["llm"], "llm": []})
 
 
