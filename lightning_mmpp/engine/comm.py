@@ -450,8 +450,8 @@ class MultiModuleCommunicator:
         # which samples every replica holds in this step's microbatches (bridges routed by item count)
         self.routing: Optional[SampleRouting] = None
         # the layout is fixed: this rank's slot and the peers at the other end of each edge,
-        # resolved on first use (key: (this end's module, the other end's module, downstream))
-        self._peer_cache: dict[tuple[str, str, bool], tuple[StageSlot, list[BridgePeer]]] = {}
+        # resolved on first use (key: this end's module, the other end's, downstream, the key's chunks)
+        self._peer_cache: dict[tuple[str, str, bool, int, int], tuple[StageSlot, list[BridgePeer]]] = {}
 
     # --- public API ----------------------------------------------------------------------
 
@@ -662,7 +662,8 @@ class MultiModuleCommunicator:
         """This rank's slot at one end of ``key``'s edge (``downstream``: the producing end) and
         the peers at the other end, in chunk order."""
         mine, theirs = (key.src_module, key.dst_module) if downstream else (key.dst_module, key.src_module)
-        cached = self._peer_cache.get((mine, theirs, downstream))
+        memo = (mine, theirs, downstream, key.src_chunk, key.dst_chunk)  # chunks: for virtual stages
+        cached = self._peer_cache.get(memo)
         if cached is not None:
             return cached
         slot = self._slot(mine)
@@ -676,7 +677,7 @@ class MultiModuleCommunicator:
                 f"{theirs!r}; its {others} are {self._distinct(edges) or f'none ({none})'}."
             )
         resolved = (slot, sorted(peers, key=lambda p: p.chunk))
-        self._peer_cache[(mine, theirs, downstream)] = resolved
+        self._peer_cache[memo] = resolved
         return resolved
 
     def _bridge_context(self, key: MessageKey, kind: str) -> str:
