@@ -208,12 +208,120 @@ def validation_section(world: int, steps: int) -> None:
               f"{runs[list(runs)[i]][0].step_time_s / runs['top'][0].step_time_s:.2f}")
 
 
+# --- accuracy: calibrated predictions against Trainer.fit -----------------------------------
+
+
+def _row_sleep_model(spec: dict[str, tuple[int, float, float]], topology: dict[str, list[str]], width: int,
+                     state_floats: int = 0) -> Any:
+    """A LightningModule with one ``nn.Sequential`` of ``n`` row-scaled sleep layers per module
+    (``spec[module] = (n, forward s per row, backward s per row)``): ``x * scale`` (a
+    ``width``-vector), then a sleep of its time per row times the rows; ``state_floats`` more
+    parameters per layer (gradient 0) give the optimizer state memory. Sources read the batch,
+    a module with upstream modules their sum."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    from benchmarks.common import Sleep
+
+    class Layer(nn.Module):
+        def __init__(self, tf: float, tb: float) -> None:
+            super().__init__()
+            self.tf, self.tb = tf, tb
+            self.scale = nn.Parameter(torch.ones(width))
+            self.state = nn.Parameter(torch.zeros(state_floats)) if state_floats else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[0]
+            y = x * self.scale if self.state is None else x * self.scale + self.state.sum() * 0
+            return Sleep.apply(y, self.tf * n, self.tb * n)
+
+    class RowSleepModel(L.LightningModule):
+        pipeline_topology = topology
+
+        def __init__(self) -> None:
+            super().__init__()
+            for name, (n, tf, tb) in spec.items():
+                setattr(self, name, nn.Sequential(*[Layer(tf, tb) for _ in range(n)]))
+
+        def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
+            return batch if not upstream else sum(upstream[n] for n in sorted(upstream))
+
+        def pipeline_loss(self, module: str, output: Any, batch: Any) -> Any:
+            return output.square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-6)
+
+    return RowSleepModel()
+
+
+ACCURACY_MODELS = {
+    # the issue's models: layer costs scale with rows; not used to tune the cost model
+    "3-module DAG": ({"image": (4, 0.0005, 0.0010), "audio": (2, 0.0004, 0.0008), "lm": (6, 0.0003, 0.0006)},
+                     {"image": ["lm"], "audio": ["lm"], "lm": []}),
+    "ViT -> LM": ({"vit": (2, 0.0010, 0.0020), "lm": (8, 0.0003, 0.0006)}, {"vit": ["lm"], "lm": []}),
+    # bench_plan.py --validate's model (vision 2 x 60/120 ms, audio 40/80, LM 6 x 24/48 per 16 rows)
+    "bench VLM": ({"vision": (2, 0.060 / 16, 0.120 / 16), "audio": (1, 0.040 / 16, 0.080 / 16),
+                   "llm": (6, 0.024 / 16, 0.048 / 16)}, {"vision": ["llm"], "audio": ["llm"], "llm": []}),
+}
+
+
+def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limit: float) -> None:
+    """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit."""
+    import functools
+    import subprocess
+
+    import torch
+
+    from lightning_mmpp.plan import calibrate, profile_model
+    from lightning_mmpp.plan.validate import measure_runs
+
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    start = time.perf_counter()
+    cal = calibrate(world)
+    print(f"\naccuracy: calibrate({world}) took {time.perf_counter() - start:.1f} s; {load}")
+    print(cal.describe())
+    batch = torch.randn(batch_size, width)
+    runs, rows = [], []
+    # the memory-limited case: 4 KiB more parameters per layer (16 KiB with AdamW's state)
+    cases = [(name, None, 0) for name in ACCURACY_MODELS] + [("3-module DAG", memory_limit, 1024)]
+    for name, limit, state_floats in cases:
+        spec, topology = ACCURACY_MODELS[name]
+        make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
+        profile = profile_model(make(), batch, calibration=cal)
+        for kind, uniform in (("top", False), ("uniform", True)):
+            plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
+            runs.append((make, batch, plan))
+            label = name if limit is None else f"{name} + 4 KiB/layer, memory limit {limit / 1024:.0f} KiB"
+            rows.append((label, kind, plan))
+    measured = measure_runs(runs, steps)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\n{world} ranks, global batch {batch_size}, median of {steps} steps through Trainer.fit; {load}")
+    print("| model | plan | predicted ms | measured ms | measured/predicted | layout |")
+    print("|---|---|---|---|---|---|")
+    for (label, kind, plan), seconds in zip(rows, measured):
+        print(f"| {label} | {kind} | {plan.step_time_s * 1e3:.1f} | {seconds * 1e3:.1f} | "
+              f"{seconds / plan.step_time_s:.3f} | {plan.describe()}, m={plan.num_microbatches} |")
+    for i in range(0, len(rows), 2):
+        print(f"{rows[i][0]}: measured uniform/top {measured[i + 1] / measured[i]:.2f}, predicted "
+              f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--world", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--accuracy", action="store_true",
+                        help="only the calibrated accuracy table (calibrate, profile, plan, Trainer.fit)")
+    parser.add_argument("--accuracy-world", type=int, default=4)
+    parser.add_argument("--memory-limit", type=float, default=100 * 1024,
+                        help="bytes per rank, --accuracy's memory-limited case")
     args = parser.parse_args()
+    if args.accuracy:
+        accuracy_section(args.accuracy_world, 32, 16, args.steps, args.memory_limit)
+        return
     planner_section()
     if args.validate:
         validation_section(args.world, args.steps)

@@ -218,3 +218,120 @@ def test_collectives_pay_latency_per_ring_step_and_bridges_on_the_same_ranks_are
     assert cost.received_seconds("llm", 0) == 0.0
     apart = CostModel(profile, {**placements, "llm": ModulePlacement(pp=2, dp=2, rank_offset=2)}, 4)
     assert apart.received_seconds("llm", 0) > 2 * profile.latency_s
+
+
+# --- calibration (issue 28) ---------------------------------------------------------------
+
+
+def _calibration(**kw):
+    from lightning_mmpp.plan import Calibration
+
+    values = dict(world_size=4, action_s=1e-3, message_s=2e-3, step_s=5e-3, p2p_latency_s=1e-4, p2p_bandwidth=1e9,
+                  allreduce_latency_s=3e-4, allreduce_bandwidth=2e9, gather_layer_s=4e-3, gather_bandwidth=1e9,
+                  scatter_layer_s=6e-3, scatter_bandwidth=5e8, optimizer_s_per_byte=1e-9)
+    values.update(kw)
+    return Calibration(**values)
+
+
+def test_calibration_json_round_trip_and_versions(tmp_path):
+    from lightning_mmpp.plan import Calibration
+
+    cal = _calibration(scatter_bandwidth=float("inf"), samples={"p2p": [[256, 1e-4], [4096, 2e-4]]})
+    path = tmp_path / "cal.json"
+    cal.to_json(path)
+    assert Calibration.from_json(path) == cal and Calibration.from_json(cal.to_json()) == cal
+    profile = heterogeneous()
+    profile.calibration = cal
+    assert ModelProfile.from_json(profile.to_json()) == profile
+    data = json.loads(cal.to_json())
+    with pytest.raises(PipelineConfigError, match="version"):
+        Calibration.from_dict({**data, "version": 99})
+    with pytest.raises(PipelineConfigError, match="unknown fields"):
+        Calibration.from_dict({**data, "bogus": 1})
+
+
+def test_fit_calibration_recovers_known_constants():
+    """Synthetic samples made from known constants are fitted back to them."""
+    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, fit_calibration
+
+    world, action, message, step = 4, 0.7e-3, 1.5e-3, 9e-3
+    lat, bw = 1e-4, 2e9
+    work = FORWARD_S + BACKWARD_S
+    samples = {
+        "p2p": [(n, lat + n / bw) for n in (256, 65536, 2**20)],
+        "allreduce": [(n, 6 * 2e-4 + 1.5 * n / bw) for n in (256, 2**20)],
+        "fsdp": [(n, 3e-3 + 0.75 * n / bw, 5e-3 + 0.75 * n / bw) for n in (4096, 2**20)],
+        "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
+        "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + 2 * action)) for m in (2, 32)],
+                      "chain": [(m, step + (m + world - 1) * (work + 2 * (action + message))) for m in (4, 16)]},
+    }
+    cal = fit_calibration(world, "cpu", samples)
+    assert cal.p2p_latency_s == pytest.approx(lat, rel=0.01) and cal.p2p_bandwidth == pytest.approx(bw, rel=1e-6)
+    assert cal.allreduce_latency_s == pytest.approx(2e-4, rel=0.01) and cal.allreduce_bandwidth == pytest.approx(bw)
+    assert cal.gather_layer_s == pytest.approx(3e-3, rel=0.01) and cal.scatter_layer_s == pytest.approx(5e-3, rel=0.01)
+    assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
+    assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
+    assert cal.step_s == pytest.approx(step, rel=1e-3)
+
+
+def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer():
+    profile = heterogeneous()
+    placements = {"vision": ModulePlacement(pp=2, dp=2, shard=True), "audio": ModulePlacement(dp=1),
+                  "llm": ModulePlacement(pp=1, dp=2, recompute=True)}
+    plain = CostModel(profile, placements, 4)
+    cal = _calibration()
+    calibrated = CostModel(replace_calibration(profile, cal), placements, 4)
+    # vision stage 1: 3 layers of 50 MiB sharded over 2, receives one message per forward and backward
+    v0, v1 = plain.stage("vision", 1), calibrated.stage("vision", 1)
+    gather = cal.gather_seconds(3 * 50 * MB, 2, 3)
+    compute_f = 3 * 0.010 * 4 / 16  # 3 layers, 4 samples per replica and microbatch, profiled on 16
+    message = cal.message_seconds(4 * MB / 8 * 4, 1)
+    assert v1.forward_s == pytest.approx(compute_f + cal.action_s + gather + message)
+    assert v1.sync_s == pytest.approx(cal.scatter_seconds(3 * 50 * MB, 2, 3))
+    assert v1.optimizer_s == pytest.approx(cal.optimizer_s_per_byte * 3 * 50 * MB / 2)
+    assert v1.input_s + v1.weight_s == pytest.approx(v1.backward_s + cal.action_s)  # W is an action of its own
+    assert v0.optimizer_s == 0.0
+    # recompute: the backward runs the forward again
+    llm = calibrated.stage("llm", 0)
+    assert llm.backward_s == pytest.approx(8 * (0.030 + 0.015) * 4 / 16 + cal.action_s)
+    assert llm.sync_s == pytest.approx(cal.allreduce_seconds(8 * 200 * MB, 2, 64))
+    # a calibrated plan is predicted slower (every cost above comes on top), and says so with its calibration
+    fast = plan_placements(profile, 4, top_k=1)[0]
+    slow = plan_placements(profile, 4, top_k=1, calibration=cal)[0]
+    assert slow.step_time_s > fast.step_time_s + cal.step_s
+
+
+def replace_calibration(profile, cal):
+    from dataclasses import replace
+
+    return replace(profile, calibration=cal)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys):
+    """calibrate() on 2 real processes, then the CLI plans a model with it and validates the top plan."""
+    from lightning_mmpp.plan import calibrate
+
+    cal = calibrate(2, steps=2)
+    assert cal.world_size == 2 and cal.action_s > 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework"}
+
+
+def test_cli_reads_a_calibration_and_validate_needs_a_model(tmp_path, capsys):
+    path, cal_path = tmp_path / "p.json", tmp_path / "cal.json"
+    heterogeneous().to_json(path)
+    _calibration().to_json(cal_path)
+    assert cli_main(["--profile", str(path), "--world-size", "8", "--top-k", "2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["plans"][0]["step_time_s"]
+    assert cli_main(["--profile", str(path), "--world-size", "8", "--top-k", "2",
+                     "--calibration", str(cal_path)]) == 0
+    out = capsys.readouterr().out
+    assert "calibration: 4 ranks on cpu" in out and "per compute action 1.000 ms" in out
+    assert cli_main(["--profile", str(path), "--world-size", "8", "--top-k", "2", "--json",
+                     "--calibration", str(cal_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"][0]["step_time_s"] > plain
+    assert cli_main(["--profile", str(path), "--world-size", "8", "--calibration", str(tmp_path / "no.json")]) == 2
+    assert "--calibrate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["--profile", str(path), "--world-size", "8", "--validate", "1"])

@@ -2,6 +2,15 @@
 
     python -m lightning_mmpp.plan examples/train_multimodal.py:VisionAudioLM --world-size 8 --memory-limit 80GB
     python -m lightning_mmpp.plan --profile profile.json --world-size 64 --json
+    python -m lightning_mmpp.plan examples/train_multimodal.py:VisionAudioLM --world-size 5 \
+        --calibrate --calibration cal.json --validate 2
+
+``--calibrate`` measures this machine's framework, link and collective costs first
+(:func:`lightning_mmpp.plan.calibrate`, on ``--calibrate-ranks`` local processes) and writes them
+to ``--calibration FILE`` when given; ``--calibration FILE`` alone reads a saved calibration.
+``--validate K`` then trains the top K plans a few steps through ``Trainer.fit`` on this
+machine (``--world-size`` local processes, the sample batch at every step) and prints the
+measured step beside the predicted one.
 
 ``script.py:ModelClass`` imports the script (its ``if __name__ == "__main__"`` block does not
 run), builds ``ModelClass()`` and a sample batch of ``--batch-size`` samples from, in order:
@@ -24,6 +33,7 @@ from typing import Any, Optional
 
 from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
+from lightning_mmpp.plan.calibration import Calibration
 from lightning_mmpp.plan.costs import ModelProfile
 from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
 
@@ -69,11 +79,8 @@ def _sample_batch(script: Any, batch_size: int) -> Any:
     )
 
 
-def profile_target(target: str, batch_size: int, device: str, repeats: int, bandwidth: Optional[float],
-                   latency: Optional[float]) -> ModelProfile:
-    """Profile ``script.py:ModelClass`` on a sample batch (see the module docstring)."""
-    from lightning_mmpp.plan.profile import profile_model
-
+def load_target(target: str, batch_size: int) -> tuple[Any, Any, Any]:
+    """``(model class, sample batch, topology)`` of ``script.py:ModelClass`` (see the module docstring)."""
     path, sep, cls_name = target.rpartition(":")
     if not sep:
         raise PipelineConfigError(f"{target!r}: give path/to/script.py:ModelClass (or --profile profile.json).")
@@ -81,11 +88,20 @@ def profile_target(target: str, batch_size: int, device: str, repeats: int, band
     cls = getattr(script, cls_name, None)
     if cls is None:
         raise PipelineConfigError(f"{path} defines no {cls_name!r}.")
+    topology = getattr(cls, "pipeline_topology", None) or getattr(script, "TOPOLOGY", None)
+    return cls, _sample_batch(script, batch_size), topology
+
+
+def profile_target(target: str, batch_size: int, device: str, repeats: int, bandwidth: Optional[float],
+                   latency: Optional[float], calibration: Optional[Calibration] = None) -> ModelProfile:
+    """Profile ``script.py:ModelClass`` on a sample batch (see the module docstring)."""
+    from lightning_mmpp.plan.profile import profile_model
+
+    cls, batch, topology = load_target(target, batch_size)
     model = cls()
-    topology = getattr(model, "pipeline_topology", None) or getattr(script, "TOPOLOGY", None)
-    batch = _sample_batch(script, batch_size)
+    topology = getattr(model, "pipeline_topology", None) or topology
     return profile_model(model, batch, device=device, repeats=repeats, topology=topology,
-                         bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+                         bandwidth_bytes_per_s=bandwidth, latency_s=latency, calibration=calibration)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -109,8 +125,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--bandwidth", type=parse_bytes, help="link bandwidth per second, e.g. 25GB/s")
     parser.add_argument("--latency", type=float, help="seconds per message")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--calibrate", action="store_true", help="measure this machine's costs first (seconds)")
+    parser.add_argument("--calibrate-ranks", type=int, help="processes to calibrate with (default: min(world size, 4))")
+    parser.add_argument("--calibration", help="a calibration JSON file: written with --calibrate, read without")
+    parser.add_argument("--validate", type=int, default=0, metavar="K",
+                        help="train the top K plans a few steps through Trainer.fit here; print measured vs predicted")
+    parser.add_argument("--validate-steps", type=int, default=5)
     args = parser.parse_args(argv)
     try:
+        calibration = _calibration(args)
+        if calibration is not None and not args.json:
+            print(calibration.describe())
+        if args.validate and not args.target:
+            parser.error("--validate needs script.py:ModelClass (a model to train), not only --profile")
         if args.profile:
             profile = ModelProfile.from_json(args.profile)
             if args.bandwidth:
@@ -119,27 +146,61 @@ def main(argv: Optional[list[str]] = None) -> int:
                 profile.latency_s = args.latency
         elif args.target:
             profile = profile_target(args.target, args.batch_size or 32, args.device, args.repeats, args.bandwidth,
-                                     args.latency)
+                                     args.latency, calibration)
         else:
             parser.error("give script.py:ModelClass or --profile profile.json")
         if args.profile_out:
             profile.to_json(args.profile_out)
         plans = plan_placements(profile, args.world_size, args.microbatches, args.memory_limit,
                                 tuple(s.strip() for s in args.schedules.split(",")), args.top_k,
-                                batch_size=args.batch_size, tolerance=args.tolerance)
+                                batch_size=args.batch_size, tolerance=args.tolerance, calibration=calibration)
     except PipelineConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    measured = _validate(args, plans[:args.validate]) if args.validate else []
     if args.json:
-        print(json.dumps({"plans": [p.to_dict() for p in plans]}, indent=1))
+        data = [p.to_dict() for p in plans]
+        for entry, seconds in zip(data, measured):
+            entry["measured_step_time_s"] = seconds
+        print(json.dumps({"plans": data}, indent=1))
         return 0
     limit = f", memory limit {format_bytes(args.memory_limit)} per rank" if args.memory_limit else ""
     print(f"{len(plans)} best plans for {args.world_size} ranks, global batch {plans[0].batch_size}{limit}:")
     print(plans_table(plans))
+    if measured:
+        print(f"\nmeasured here through Trainer.fit (median of {args.validate_steps} steps, slowest rank):")
+        for i, (plan, seconds) in enumerate(zip(plans, measured)):
+            print(f"#{i + 1}  predicted {plan.step_time_s * 1e3:.1f} ms  measured {seconds * 1e3:.1f} ms  "
+                  f"measured/predicted {seconds / plan.step_time_s:.3f}")
     print()
     print("best plan:")
     print(plans[0].snippet())
     return 0
+
+
+def _calibration(args: argparse.Namespace) -> Optional[Calibration]:
+    """The calibration the command line asks for: measured (``--calibrate``), read, or none."""
+    if args.calibrate:
+        from lightning_mmpp.plan.measure import calibrate
+
+        ranks = args.calibrate_ranks or min(args.world_size, 4)
+        calibration = calibrate(ranks, args.device)
+        if args.calibration:
+            calibration.to_json(args.calibration)
+        return calibration
+    if args.calibration:
+        if not os.path.isfile(args.calibration):
+            raise PipelineConfigError(f"--calibration {args.calibration!r} is not a file; measure one with --calibrate.")
+        return Calibration.from_json(args.calibration)
+    return None
+
+
+def _validate(args: argparse.Namespace, plans: list[Any]) -> list[float]:
+    """Measured median step of each plan, trained here on the sample batch."""
+    from lightning_mmpp.plan.validate import measure_plans
+
+    cls, batch, _ = load_target(args.target, plans[0].batch_size)
+    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device)
 
 
 if __name__ == "__main__":

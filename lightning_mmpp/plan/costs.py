@@ -32,7 +32,6 @@ the microbatch count and the global batch) to what the simulator and the memory 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -43,9 +42,10 @@ from lightning_mmpp.core.balance import balanced_split
 from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 
 __all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds",
-           "metrics_seconds"]
+           "metrics_seconds", "step_overhead_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -102,6 +102,10 @@ class ModelProfile:
         state_bytes_per_param_byte: parameter + gradient + optimizer bytes per parameter byte
             (4.0: fp32 parameters with Adam, 16 B per parameter).
         device: where the profile was measured (informational).
+        calibration: this machine's measured framework, link and collective costs
+            (:func:`lightning_mmpp.plan.calibrate`); when given, the cost model charges them
+            instead of ``bandwidth_bytes_per_s`` / ``latency_s`` alone (see
+            :mod:`lightning_mmpp.plan.calibration`).
     """
 
     modules: dict[str, ModuleProfile]
@@ -113,6 +117,7 @@ class ModelProfile:
     state_bytes_per_param_byte: float = 4.0
     device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)
+    calibration: Optional[Calibration] = None
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -145,24 +150,18 @@ class ModelProfile:
             for name, module in data.pop("modules").items()
         }
         topology = {m: list(d) for m, d in data.pop("topology").items()}
-        return cls(modules=modules, topology=topology, **data)
+        calibration = data.pop("calibration", None)
+        return cls(modules=modules, topology=topology, **data,
+                   calibration=None if calibration is None else Calibration.from_dict(calibration))
 
     def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
         """The profile as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
-        return text
+        return write_json(self.to_dict(), path)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> "ModelProfile":
         """Read a profile from a JSON file path, or from JSON text."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            with open(source) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(read_json(source))
 
     # --- derived ---------------------------------------------------------------------------
 
@@ -196,6 +195,15 @@ def metrics_seconds(profile: "ModelProfile", world_size: int) -> float:
     return allreduce_seconds(METRICS_BYTES, world_size, profile.bandwidth_bytes_per_s, profile.latency_s)
 
 
+def step_overhead_seconds(profile: "ModelProfile", world_size: int) -> float:
+    """What a step costs beyond its stages and gradient sums: the calibrated per-step cost
+    (loop, optimizer's fixed cost, metrics all-reduce) when the profile has a calibration, the
+    metrics all-reduce alone otherwise."""
+    if profile.calibration is not None:
+        return profile.calibration.step_s
+    return metrics_seconds(profile, world_size)
+
+
 @dataclass(frozen=True)
 class StageCost:
     """Seconds per microbatch and bytes of one ``(module, stage)`` under a :class:`CostModel`."""
@@ -208,6 +216,7 @@ class StageCost:
     static_bytes: float  # parameters, gradients, optimizer state (this rank's share)
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # one recomputed layer's activations, one gathered layer
+    optimizer_s: float = 0.0  # the optimizer step over this rank's share of the stage's parameters
 
 
 class CostModel:
@@ -269,6 +278,8 @@ class CostModel:
         """Seconds to receive ``samples`` samples of the output of ``(producer, stage)`` in ``messages`` messages."""
         layer = self.profile.modules[producer].layers[self._ranges[producer][stage][-1]]
         nbytes = layer.output_bytes_per_sample * samples
+        if self.profile.calibration is not None:
+            return self.profile.calibration.message_seconds(nbytes, messages)
         return nbytes / self.profile.bandwidth_bytes_per_s + messages * self.profile.latency_s
 
     def _in_process(self, up: str, down: str) -> bool:
@@ -316,22 +327,41 @@ class CostModel:
         trainable_bytes = sum(layer.param_bytes for layer in layers if layer.trainable)
         dp = placement.dp
         bw, lat = profile.bandwidth_bytes_per_s, profile.latency_s
+        cal = profile.calibration
         sharded_layers = sum(1 for layer in layers if layer.param_bytes > 0)  # one FSDP2 unit per layer
-        gather = allreduce_seconds(param_bytes, dp, bw, lat, scatter_only=True,
-                                   collectives=sharded_layers) if placement.shard else 0.0
+        calls = sharded_layers if placement.shard else max(1, math.ceil(trainable_bytes / GRADIENT_BUCKET_BYTES))
+        trains = module not in self.no_backward
+        if cal is None:
+            gather = allreduce_seconds(param_bytes, dp, bw, lat, scatter_only=True,
+                                       collectives=sharded_layers) if placement.shard else 0.0
+            sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard,
+                                     collectives=calls) if trains else 0.0
+            action = optimizer = 0.0
+        else:
+            gather = cal.gather_seconds(param_bytes, dp, sharded_layers) if placement.shard else 0.0
+            if not trains:
+                sync = 0.0
+            elif placement.shard:
+                sync = cal.scatter_seconds(trainable_bytes, dp, sharded_layers)
+            else:
+                sync = cal.allreduce_seconds(trainable_bytes, dp, calls)
+            action = cal.action_s
+            optimizer = cal.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes) \
+                if trains else 0.0
         if placement.recompute:
             backward += forward
             input_half += forward
-        forward += gather + self.received_seconds(module, stage)
-        trains = module not in self.no_backward
-        if trains:
+        forward += action + gather + self.received_seconds(module, stage)
+        if not trains:
+            backward = input_half = weight_half = 0.0
+        elif cal is None:
             backward += gather + self.gradient_seconds(module, stage)
-        else:
-            backward = input_half = 0.0
-        weight_half = max(0.0, backward - input_half)
-        calls = sharded_layers if placement.shard else max(1, math.ceil(trainable_bytes / GRADIENT_BUCKET_BYTES))
-        sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard,
-                                 collectives=calls) if trains else 0.0
+            weight_half = max(0.0, backward - input_half)
+        else:  # I waits for the output gradient and the gathered weights; W is an action of its own
+            weight_half = max(0.0, backward - input_half) + action
+            extra = action + gather + self.gradient_seconds(module, stage)
+            backward += extra
+            input_half += extra
         state = param_bytes + trainable_bytes * (profile.state_bytes_per_param_byte - 1.0)
         biggest_layer = max((layer.param_bytes for layer in layers), default=0)
         static = state / dp + biggest_layer if placement.shard else state
@@ -345,7 +375,7 @@ class CostModel:
         else:
             activation = sum(layer.activation_bytes_per_sample for layer in layers) * samples
             transient = 0.0
-        return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient)
+        return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer)
 
     def stage(self, module: str, stage: int) -> StageCost:
         """The costs of ``(module, stage)``."""

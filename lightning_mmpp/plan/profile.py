@@ -29,6 +29,7 @@ from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
 from lightning_mmpp.model.ragged import run_ragged
 from lightning_mmpp.model.partition import _layer_container, named_layers
+from lightning_mmpp.plan.calibration import Calibration
 from lightning_mmpp.plan.costs import LayerProfile, ModelProfile, ModuleProfile
 from lightning_mmpp.core.topology import ModuleTopology
 
@@ -157,6 +158,7 @@ def profile_model(
     bandwidth_bytes_per_s: Optional[float] = None,
     latency_s: Optional[float] = None,
     seed: int = 0,
+    calibration: Optional[Calibration] = None,
 ) -> ModelProfile:
     """Measure every layer of every module of ``lightning_module`` on ``batch``.
 
@@ -174,6 +176,9 @@ def profile_model(
         bandwidth_bytes_per_s, latency_s: the link between ranks; default
             :func:`default_link` for ``device``.
         seed: initialisation seed of meta-built layers.
+        calibration: this machine's measured costs (:func:`lightning_mmpp.plan.calibrate`),
+            kept with the profile for the cost model; its link (p2p latency and bandwidth) is
+            then the default link too.
 
     Returns:
         A :class:`~lightning_mmpp.plan.costs.ModelProfile`.
@@ -204,11 +209,15 @@ def profile_model(
     finally:
         lightning_module.train(was_training)
     default_bw, default_latency = default_link(str(device))
+    if calibration is not None:
+        default_latency = calibration.p2p_latency_s
+        if calibration.p2p_bandwidth != float("inf"):
+            default_bw = calibration.p2p_bandwidth
     ordered = {m: modules[m] for m in topology}
     return ModelProfile(
         modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
-        latency_s=default_latency if latency_s is None else latency_s, device=str(device),
+        latency_s=default_latency if latency_s is None else latency_s, device=str(device), calibration=calibration,
     )
 
 

@@ -37,7 +37,8 @@ from lightning_mmpp.core.balance import balanced_split
 from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, metrics_seconds
+from lightning_mmpp.plan.calibration import Calibration
+from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, step_overhead_seconds
 from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 
@@ -442,7 +443,7 @@ class _Evaluator:
         self.schedules: dict = {}
         self.layouts: dict = {}
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
-        self.metrics_s = metrics_seconds(space.profile, space.world_size)  # every plan uses every rank
+        self.metrics_s = step_overhead_seconds(space.profile, space.world_size)  # every plan uses every rank
         self.smallest_peak: Optional[tuple[float, str]] = None
 
     def choose_flags(
@@ -541,9 +542,16 @@ class _Evaluator:
             elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
                 held[unit] = held.get(unit, 0) - 1
                 last_backward[unit] = max(last_backward.get(unit, 0.0), end)
-        step = result.step_time
+        # a rank's step ends with its gradient sums (each after its stage's last backward), then
+        # its optimizer step
+        finish = [0.0] * small.world_size
+        for rank, _, end, _ in result.computes:
+            finish[rank] = max(finish[rank], end)
         for (rank, module), end in last_backward.items():
-            step = max(step, end + cost.stage(module, small.slot(rank, module).stage).sync_s)
+            finish[rank] = max(finish[rank], end + cost.stage(module, small.slot(rank, module).stage).sync_s)
+        step = max(result.step_time, *(
+            finish[r] + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
+            for r in range(small.world_size)))
         step += self.metrics_s
         inflight = {}
         weights = []
@@ -590,6 +598,7 @@ def plan_placements(
     uniform: bool = False,
     exhaustive: bool = False,
     tolerance: float = 0.03,
+    calibration: Optional[Calibration] = None,
 ) -> list[Plan]:
     """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
 
@@ -612,6 +621,9 @@ def plan_placements(
             ``1 + tolerance`` of the best of an exhaustive search, and the others are the best
             of the candidates simulated. 0 returns exactly the exhaustive top ``top_k`` (slower:
             many layouts sit within a few percent of each other).
+        calibration: this machine's measured framework, link and collective costs
+            (:func:`lightning_mmpp.plan.calibrate`); overrides the profile's own. ``None``: the
+            profile's (none unless ``profile_model(..., calibration=...)`` attached one).
 
     Raises:
         PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
@@ -620,6 +632,8 @@ def plan_placements(
     schedule_names = _check_plan_args(world_size, schedules, tolerance)
     if batch_size is not None:
         profile = replace(profile, batch_size=batch_size)
+    if calibration is not None:
+        profile = replace(profile, calibration=calibration)
     space = _make_space(profile, world_size, memory_limit_bytes, allow_shard)
     evaluator = _Evaluator(space, allow_recompute)
     search = _Search(evaluator, top_k, tolerance, exhaustive)

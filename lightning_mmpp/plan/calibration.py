@@ -1,0 +1,179 @@
+"""This machine's framework, link and collective costs, as the cost model uses them (pure Python).
+
+:func:`lightning_mmpp.plan.calibrate` measures a :class:`Calibration` with a few real steps on
+``world_size`` processes; :class:`~lightning_mmpp.plan.costs.CostModel` then charges, on top of
+the profiled layer times:
+
+* ``action_s`` per compute action (a forward, a backward, an input-gradient or weight-gradient
+  half): what the runtime, the autograd calls and the step's bookkeeping cost per microbatch
+  and stage beyond the layers themselves;
+* ``message_s`` per message a stage receives (activations or gradients across a stage boundary
+  or a bridge), plus its bytes over ``p2p_bandwidth``: the communicator's packing, posting and
+  waiting, with the link's latency;
+* ``step_s`` per training step: the Trainer's loop, ``zero_grad``, the optimizer's fixed cost,
+  the closing all-reduce of the loss and metrics;
+* a dp gradient all-reduce as a ring with ``allreduce_latency_s`` per ring step and
+  ``allreduce_bandwidth``; FSDP2's all-gather (``gather_layer_s`` + bytes, once per layer for
+  every forward and every backward: unshard + reshard) and reduce-scatter (``scatter_layer_s`` +
+  bytes, once per layer per step) for a sharded module;
+* the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
+  shard, when sharded).
+
+Every constant is measured (:mod:`lightning_mmpp.plan.measure`), never assumed: the
+framework's own costs change as it changes. The raw samples behind each fit are kept in
+``samples`` so a calibration can be inspected or refitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from lightning_mmpp.errors import PipelineConfigError
+
+__all__ = ["CALIBRATION_VERSION", "Calibration", "fit_line", "read_json", "write_json"]
+
+CALIBRATION_VERSION = 1
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of ``y = intercept + slope * x`` through measured points: the
+    intercept is the time at the smallest size (a fixed cost is best seen where the bytes cost
+    nothing), the slope the least-squares fit of the rest through that point; both clipped at 0
+    (a cost never shrinks with size, and a negative fixed cost is noise)."""
+    if not points:
+        return 0.0, 0.0
+    x0, y0 = min(points)
+    rest = [(x - x0, y - y0) for x, y in points if x > x0]
+    var = sum(dx * dx for dx, _ in rest)
+    slope = sum(dx * dy for dx, dy in rest) / var if var > 0 else 0.0
+    return max(0.0, y0), max(0.0, slope)
+
+
+def write_json(data: Mapping[str, Any], path: Optional[str | os.PathLike] = None) -> str:
+    """``data`` as indented JSON text; also written to ``path`` when given."""
+    text = json.dumps(data, indent=1)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+def read_json(source: str | os.PathLike) -> Any:
+    """The JSON of a file path, or of JSON text."""
+    text = str(source)
+    if not text.lstrip().startswith("{"):
+        with open(source) as f:
+            text = f.read()
+    return json.loads(text)
+
+
+@dataclass
+class Calibration:
+    """Measured constants of one machine and framework version; see the module docstring.
+
+    Bandwidths are bytes per second (``inf``: the fit found no size dependence); latencies and
+    fixed costs are seconds.
+    """
+
+    world_size: int
+    device: str = "cpu"
+    action_s: float = 0.0
+    message_s: float = 0.0
+    step_s: float = 0.0
+    p2p_latency_s: float = 0.0
+    p2p_bandwidth: float = float("inf")
+    allreduce_latency_s: float = 0.0
+    allreduce_bandwidth: float = float("inf")
+    gather_layer_s: float = 0.0
+    gather_bandwidth: float = float("inf")
+    scatter_layer_s: float = 0.0
+    scatter_bandwidth: float = float("inf")
+    optimizer_s_per_byte: float = 0.0
+    samples: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise PipelineConfigError(f"a calibration needs world_size >= 1, got {self.world_size}.")
+
+    # --- costs the cost model charges --------------------------------------------------------
+
+    def message_seconds(self, nbytes: float, messages: int = 1) -> float:
+        """``messages`` received messages carrying ``nbytes`` bytes in all."""
+        return messages * self.message_s + nbytes / self.p2p_bandwidth
+
+    def allreduce_seconds(self, nbytes: float, group: int, calls: int = 1) -> float:
+        """A ring all-reduce of ``nbytes`` over ``group`` ranks, in ``calls`` collectives."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (group - 1)
+        return steps / group * nbytes / self.allreduce_bandwidth + calls * steps * self.allreduce_latency_s
+
+    def gather_seconds(self, nbytes: float, group: int, layers: int) -> float:
+        """FSDP2's all-gather (unshard, then reshard) of ``layers`` layers holding ``nbytes``
+        parameter bytes over ``group`` ranks: one forward's or one backward's worth."""
+        if group <= 1 or layers <= 0:
+            return 0.0
+        return layers * self.gather_layer_s + (group - 1) / group * nbytes / self.gather_bandwidth
+
+    def scatter_seconds(self, nbytes: float, group: int, layers: int) -> float:
+        """FSDP2's gradient reduce-scatter of ``layers`` layers (``nbytes`` gradient bytes)."""
+        if group <= 1 or layers <= 0:
+            return 0.0
+        return layers * self.scatter_layer_s + (group - 1) / group * nbytes / self.scatter_bandwidth
+
+    def optimizer_seconds(self, nbytes: float) -> float:
+        """The optimizer step over ``nbytes`` of parameters held by one rank."""
+        return self.optimizer_s_per_byte * nbytes
+
+    # --- JSON --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (:meth:`from_dict` reads it back)."""
+        data = asdict(self)
+        data["version"] = CALIBRATION_VERSION
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        """Read the dict written by :meth:`to_dict`."""
+        data = dict(data)
+        version = data.pop("version", CALIBRATION_VERSION)
+        if version != CALIBRATION_VERSION:
+            raise PipelineConfigError(
+                f"calibration version {version} is not supported (expected {CALIBRATION_VERSION}); "
+                "measure a new one with lightning_mmpp.plan.calibrate(world_size)."
+            )
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PipelineConfigError(f"calibration has unknown fields {unknown}; measure a new one.")
+        return cls(**data)
+
+    def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
+        """The calibration as JSON text; also written to ``path`` when given."""
+        return write_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> "Calibration":
+        """Read a calibration from a JSON file path, or from JSON text."""
+        return cls.from_dict(read_json(source))
+
+    def describe(self) -> str:
+        """A few lines for people: the fitted constants."""
+        def bw(x: float) -> str:
+            return "inf" if x == float("inf") else f"{x / 1e9:.2f} GB/s"
+
+        return "\n".join([
+            f"calibration: {self.world_size} ranks on {self.device}",
+            f"  per compute action {self.action_s * 1e3:.3f} ms, per received message {self.message_s * 1e3:.3f} ms, "
+            f"per step {self.step_s * 1e3:.2f} ms",
+            f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
+            f"  all-reduce: {self.allreduce_latency_s * 1e3:.3f} ms per ring step, {bw(self.allreduce_bandwidth)}",
+            f"  FSDP2 per layer: all-gather {self.gather_layer_s * 1e3:.3f} ms + {bw(self.gather_bandwidth)}, "
+            f"reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + {bw(self.scatter_bandwidth)}",
+            f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte",
+        ])

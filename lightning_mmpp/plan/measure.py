@@ -1,0 +1,286 @@
+"""Measure a :class:`~lightning_mmpp.plan.calibration.Calibration` on this machine (torch, Lightning).
+
+:func:`calibrate` starts ``world_size`` local processes and measures, in one launch:
+
+* the link: ping-pong between ranks 0 and 1 (``dist.send`` / ``dist.recv``) at several sizes,
+  fitted as one-way ``latency + bytes / bandwidth``;
+* the dp gradient all-reduce over all ranks at several sizes, fitted as a ring (``2 (n-1)``
+  steps of latency, ``2 (n-1)/n`` of the bytes over the bandwidth);
+* FSDP2 per layer, with the strategy's own sharding (:func:`~lightning_mmpp.engine.sharding.shard_stage`
+  over all ranks): a linear layer's forward + backward sharded without gradient sync, minus the
+  same unsharded, is two all-gathers (unshard and reshard, forward and backward); with the sync
+  on, the difference is the reduce-scatter; at several parameter sizes;
+* the optimizer step (AdamW) per parameter byte;
+* the framework's own costs through ``Trainer.fit`` with ``MultiModulePipelineStrategy`` on a
+  model whose layers do no work (a scalar scale): a pure data-parallel layout at two microbatch
+  counts gives the cost per compute action (every microbatch is one forward and one backward
+  on every rank) and per step; a ``pp = world_size`` chain at two microbatch counts gives, under
+  1F1B (``(m + pp - 1)`` forward + backward pairs on the critical path), the cost per action
+  with a received message, so the message's own cost.
+
+Times are the slowest rank's (an all-reduce of the maximum), medians over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mmpp.core.placement import ModulePlacement
+from lightning_mmpp.plan.calibration import Calibration, fit_line
+
+__all__ = ["calibrate"]
+
+P2P_SIZES = (256, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024)
+FSDP_WIDTHS = (32, 256, 1024)  # square linear layers: 4 KiB, 256 KiB, 4 MiB of fp32 parameters
+OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+DP_MICROBATCHES = (2, 32)
+DP_LAYERS = 2
+FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
+FEATURES = 16  # width of the framework runs' activations: small, so their transfers are latency only
+
+
+class _Wait(torch.autograd.Function):
+    """Identity whose forward waits ``tf`` and whose backward ``tb`` seconds without using the
+    CPU, as a kernel on an accelerator does: the framework around it is what is measured."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
+        ctx.tb = tb
+        time.sleep(tf)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.tb)
+        return grad, None, None
+
+
+class _Scale(nn.Module):
+    """A layer of known cost: ``x * scale`` (one parameter, so the backward runs) then a wait of
+    ``FORWARD_S`` / ``BACKWARD_S``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x * self.scale, FORWARD_S, BACKWARD_S)
+
+
+class _FrameworkModel(L.LightningModule):
+    """One module ``net`` of ``layers`` no-work layers: what is measured is the framework."""
+
+    pipeline_topology = {"net": []}
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[_Scale() for _ in range(layers)])
+
+    def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
+        return batch
+
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return output.square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-6)
+
+
+def _device(device: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device.startswith("cuda") else torch.device("cpu")
+
+
+def _slowest(fn: Any, repeats: int, device: torch.device, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the mean seconds of ``fn()`` over ``repeats`` calls, on the slowest rank."""
+    results = []
+    for _ in range(rounds):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        results.append(float(t))
+    return statistics.median(results)
+
+
+def _p2p(rank: int, device: torch.device) -> list[tuple[int, float]]:
+    """One-way seconds per message size between ranks 0 and 1 (half a round trip)."""
+    points = []
+    for size in P2P_SIZES:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+
+        def ping_pong() -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        ping_pong()
+        points.append((size, _slowest(ping_pong, 10 if size < 2**20 else 4, device) / 2))
+    return points
+
+
+def _allreduce(device: torch.device) -> list[tuple[int, float]]:
+    points = []
+    for size in ALLREDUCE_SIZES:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(buf)
+        points.append((size, _slowest(lambda: dist.all_reduce(buf), 10 if size < 2**20 else 4, device)))
+    return points
+
+
+def _fsdp(device: torch.device) -> list[tuple[int, float, float]]:
+    """``(parameter bytes, all-gather seconds, reduce-scatter seconds)`` per layer and size."""
+    from lightning_mmpp.engine.sharding import dp_mesh, shard_stage
+    from lightning_mmpp.model.partition import StageRunner
+
+    mesh = dp_mesh(dist.group.WORLD, device)
+    points = []
+    for width in FSDP_WIDTHS:
+        torch.manual_seed(0)
+        plain = nn.Linear(width, width, bias=False).to(device)
+        sharded = nn.Linear(width, width, bias=False).to(device)
+        stage, _ = shard_stage(StageRunner("calibration", 0, [sharded], ["0"]), mesh)
+        x = torch.randn(8, width, device=device)
+
+        def step(layer: nn.Module) -> None:
+            layer(x).sum().backward()
+
+        def sharded_step(sync: bool) -> None:
+            stage.before_backward(sync)
+            step(sharded)
+
+        for sync in (False, True):
+            sharded_step(sync)
+        step(plain)
+        repeats = 10 if width < 1024 else 4
+        t_plain = _slowest(lambda: step(plain), repeats, device)
+        t_nosync = _slowest(lambda: sharded_step(False), repeats, device)
+        t_sync = _slowest(lambda: sharded_step(True), repeats, device)
+        nbytes = width * width * 4
+        points.append((nbytes, max(0.0, t_nosync - t_plain) / 2, max(0.0, t_sync - t_nosync)))
+    return points
+
+
+def _optimizer(device: torch.device) -> list[tuple[int, float]]:
+    points = []
+    for size in OPTIMIZER_SIZES:
+        params = [nn.Parameter(torch.zeros(size // 16, device=device)) for _ in range(4)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-6)
+        optimizer.step()
+        points.append((size, _slowest(optimizer.step, 5, device)))
+    return points
+
+
+def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:
+    """Median step seconds through ``Trainer.fit`` per microbatch count: ``dp`` (one stage, dp =
+    world, 2 layers) and ``chain`` (pp = world, one layer per stage)."""
+    from lightning_mmpp.plan.validate import timed_fit
+
+    runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES)}
+    if world > 1:
+        runs["chain"] = (ModulePlacement(pp=world, dp=1), world, (world, 4 * world))
+    out: dict[str, list[tuple[int, float]]] = {}
+    for name, (placement, layers, counts) in runs.items():
+        out[name] = []
+        for m in counts:
+            torch.manual_seed(0)
+            batch = torch.randn(m * placement.dp * 2, FEATURES)
+            times = timed_fit(_FrameworkModel(layers), {"net": placement}, _FrameworkModel.pipeline_topology, m,
+                              "1f1b", batch, steps, device)
+            out[name].append((m, statistics.median(times)))
+    return out
+
+
+def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
+    dev = _device(device, rank)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
+    samples: dict[str, Any] = {}
+    if world > 1:
+        samples["p2p"] = _p2p(rank, dev)
+        samples["allreduce"] = _allreduce(dev)
+        samples["fsdp"] = _fsdp(dev)
+    samples["optimizer"] = _optimizer(dev)
+    samples["framework"] = _framework(world, device, steps)
+    return samples
+
+
+def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Calibration:
+    """The constants of :class:`Calibration` fitted to the raw ``samples`` of a calibration run."""
+    cal = Calibration(world_size=world_size, device=device, samples=samples)
+    inf = float("inf")
+    if "p2p" in samples:
+        cal.p2p_latency_s, slope = fit_line(samples["p2p"])
+        cal.p2p_bandwidth = 1.0 / slope if slope > 0 else inf
+    if "allreduce" in samples:
+        fixed, slope = fit_line(samples["allreduce"])
+        steps = 2 * (world_size - 1)
+        cal.allreduce_latency_s = fixed / steps
+        cal.allreduce_bandwidth = steps / world_size / slope if slope > 0 else inf
+    if "fsdp" in samples:
+        share = (world_size - 1) / world_size
+        for attr, column in (("gather", 1), ("scatter", 2)):
+            fixed, slope = fit_line([(p[0], p[column]) for p in samples["fsdp"]])
+            setattr(cal, f"{attr}_layer_s", fixed)
+            setattr(cal, f"{attr}_bandwidth", share / slope if slope > 0 else inf)
+    cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
+    work = FORWARD_S + BACKWARD_S  # the known wait of one layer's forward + backward
+    # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn
+    (m1, t1), (m2, t2) = samples["framework"]["dp"]
+    cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - DP_LAYERS * work) / 2)
+    # the step's tiny gradient all-reduce is charged by the cost model itself
+    cal.step_s = max(0.0, t1 - m1 * (DP_LAYERS * work + 2 * cal.action_s) - cal.allreduce_seconds(8, world_size))
+    if "chain" in samples["framework"]:
+        # 1F1B on a chain of equal one-layer stages: (m + pp - 1) forward + backward pairs on the
+        # critical path; each action there but the first forward and the last backward receives a message
+        (m1, t1), (m2, t2) = samples["framework"]["chain"]
+        per_action = ((t2 - t1) / (m2 - m1) - work) / 2
+        cal.message_s = max(0.0, per_action - cal.action_s)
+    return cal
+
+
+def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: float = 600.0) -> Calibration:
+    """Measure this machine's framework, link and collective costs on ``world_size`` local processes.
+
+    Args:
+        world_size: processes to measure with (at least 2 for the link and collectives); plans
+            for other world sizes reuse the fitted constants.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
+        steps: timed training steps per framework run (after two warm-up steps).
+        timeout: seconds for the whole launch.
+
+    Returns:
+        A :class:`~lightning_mmpp.plan.calibration.Calibration`; pass it to
+        ``plan_placements(..., calibration=...)`` or ``profile_model(..., calibration=...)``, or
+        keep it with :meth:`~lightning_mmpp.plan.calibration.Calibration.to_json`.
+    """
+    from lightning_mmpp.errors import PipelineConfigError
+    from lightning_mmpp.plan.launch import run_local
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PipelineConfigError(f"calibrate(world_size={world_size!r}): give the number of processes, >= 1.")
+    if device.startswith("cuda") and world_size > torch.cuda.device_count():
+        raise PipelineConfigError(
+            f"calibrate(world_size={world_size}, device={device!r}) needs one GPU per rank; "
+            f"{torch.cuda.device_count()} visible. Use a smaller world_size."
+        )
+    samples = run_local(_worker, world_size, device, steps, device=device, timeout=timeout)[0]
+    return fit_calibration(world_size, device, samples)

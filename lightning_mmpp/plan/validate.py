@@ -1,0 +1,101 @@
+"""Measure plans on this machine: a few training steps through ``Trainer.fit`` (torch, Lightning).
+
+:func:`measure_plans` starts ``world_size`` local processes (:func:`~lightning_mmpp.plan.launch.run_local`)
+and, in them, trains a fresh model under each plan for ``warmup + steps`` steps on one sample
+batch, with ``MultiModulePipelineStrategy(plan.placements, ...)``; a step is timed from
+``on_train_batch_start`` (after a barrier, so every rank starts together) to
+``on_train_batch_end`` on the slowest rank, which is what the planner predicts: the pipeline,
+the gradient sums, the optimizer step and the metrics reduction, without data loading.
+:func:`timed_fit` is one such run, also what :func:`lightning_mmpp.plan.calibrate` times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["measure_plans", "measure_runs", "timed_fit"]
+
+WARMUP_STEPS = 2
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def timed_fit(model: Any, placements: Mapping[str, Any], topology: Mapping[str, Sequence[str]],
+              num_microbatches: int, schedule: str, batch: Any, steps: int, device: str = "cpu") -> list[float]:
+    """Train ``model`` for ``WARMUP_STEPS + steps`` steps on ``batch`` (in a process of a local
+    launch whose environment is set); the seconds of each timed step on the slowest rank."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_mmpp.lightning.strategy import MultiModulePipelineStrategy
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            dist.barrier()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            t = torch.tensor([time.perf_counter() - self.start], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.times.append(float(t))
+
+    timer = StepTimer()
+    strategy = MultiModulePipelineStrategy(dict(placements), {k: list(v) for k, v in topology.items()},
+                                           num_microbatches, schedule=schedule)
+    total = WARMUP_STEPS + steps
+    trainer = L.Trainer(accelerator="gpu" if device.startswith("cuda") else "cpu", devices=dist_world_size(),
+                        strategy=strategy, max_steps=total, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[timer])
+    trainer.fit(model, DataLoader([batch] * total, batch_size=None, collate_fn=_identity))
+    return timer.times[WARMUP_STEPS:]
+
+
+def dist_world_size() -> int:
+    """The launch's world size, from the environment :func:`run_local` sets."""
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _measure_worker(rank: int, world_size: int, runs: list[tuple], steps: int, device: str) -> list[float]:
+    medians = []
+    for make_model, batch, placements, topology, m, schedule in runs:
+        times = timed_fit(make_model(), placements, topology, m, schedule, batch, steps, device)
+        medians.append(statistics.median(times))
+    return medians
+
+
+def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
+                 timeout: float = 900.0) -> list[float]:
+    """The median measured step (seconds, slowest rank) of each ``(make_model, batch, plan)``,
+    all run one after the other in one launch of ``plan.world_size`` processes (equal for all):
+    ``make_model()`` builds a fresh LightningModule, trained on ``batch`` (one global batch of
+    ``plan.batch_size`` samples) at every step."""
+    from lightning_mmpp.errors import PipelineConfigError
+    from lightning_mmpp.plan.launch import run_local
+
+    if not runs:
+        return []
+    worlds = {plan.world_size for _, _, plan in runs}
+    if len(worlds) != 1:
+        raise PipelineConfigError(f"measure_runs: plans for world sizes {sorted(worlds)}; measure one size per call.")
+    packed = [(make, batch, p.placements, p.topology, p.num_microbatches, str(p.schedule)) for make, batch, p in runs]
+    return run_local(_measure_worker, worlds.pop(), packed, steps, device, device=device, timeout=timeout)[0]
+
+
+def measure_plans(make_model: Callable[[], Any], batch: Any, plans: Sequence[Any], steps: int = 5,
+                  device: str = "cpu", timeout: float = 900.0) -> list[float]:
+    """:func:`measure_runs` of every plan of one model."""
+    return measure_runs([(make_model, batch, plan) for plan in plans], steps, device, timeout)
