@@ -4,7 +4,9 @@ torch 2.13 has no public pytree module, and payloads (any dict / list / tuple of
 crosses a stage or module boundary) are pytrees, so the package takes the few pytree functions
 it needs from ``torch.utils._pytree`` through this module; and the failure board
 (:mod:`lightning_mmpp.engine.failures`) reads the default process group's store, which torch
-exposes only as a private function. ``tests/test_torch_api.py`` pins the
+exposes only as a private function; and a tp rank that drops a layer output it does not send
+waits for the functional collective behind it (:func:`wait_collective`), which torch's
+``AsyncCollectiveTensor`` does only when the tensor is used. ``tests/test_torch_api.py`` pins the
 behaviour relied on (flatten order of dicts, lists and tuples; round trips; key paths), so a torch
 release that changes it fails there first. The supported range is pyproject.toml's ``torch`` pin.
 """
@@ -36,6 +38,7 @@ __all__ = [
     "SequenceKey",
     "TreeSpec",
     "default_store",
+    "wait_collective",
     "keystr",
     "register_pytree_node",
     "tree_flatten",
@@ -58,3 +61,14 @@ def default_store() -> Optional[Any]:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - a backend without a store
         return None
+
+
+def wait_collective(tensor: Any) -> None:
+    """Wait for the functional collective that produces ``tensor``, if any (an
+    ``AsyncCollectiveTensor``, what DTensor's ``to_local`` returns after a redistribution);
+    otherwise do nothing. A result that is never used is otherwise never waited for, and the
+    process group warns at exit about every such call."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(tensor, AsyncCollectiveTensor):
+        tensor.wait()

@@ -158,3 +158,22 @@ def test_default_store():
     finally:
         dist.destroy_process_group()
     assert default_store() is None
+
+
+def test_wait_collective_waits_an_async_collective_tensor_and_ignores_others():
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from lightning_mmpp.torch_api import wait_collective
+
+    waited = []
+
+    class Fake(AsyncCollectiveTensor):  # the class torch returns; its wait() is what is relied on
+        def wait(self):
+            waited.append(True)
+            return self.elem
+
+    wait_collective(torch.ones(2))
+    assert waited == []
+    fake = Fake.__new__(Fake, torch.ones(2))
+    wait_collective(fake)
+    assert waited == [True]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mmpp.core.actions import Direction, MessageKey
+from lightning_mmpp.torch_api import tree_leaves, wait_collective
 from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.engine.payload import PayloadSpec, flatten_payload
 from lightning_mmpp.errors import PipelineConfigError
@@ -225,6 +226,10 @@ class TensorParallelRelay:
     def post(self, sends: Mapping[MessageKey, Any], recvs: Sequence[MessageKey]) -> None:
         if self.is_lead:
             self.inner.post(sends, recvs)
+            return
+        for payload in sends.values():  # dropped here, sent by the lead: finish the collectives behind them
+            for leaf in tree_leaves(payload):
+                wait_collective(leaf)
 
     def take(self, key: MessageKey) -> Any:
         payload = self.inner.take(key) if self.is_lead else None
