@@ -38,13 +38,6 @@ def test_shard_needs_replicas_and_booleans():
     assert P(dp=2, shard=True, recompute=True).shard
 
 
-def test_shard_refuses_zero_bubble_before_any_process_starts():
-    placements = {"enc_a": P(dp=2, shard=True), "llm": P()}
-    with pytest.raises(PipelineConfigError, match="schedule='1f1b' with shard=True"):
-        MultiModulePipelineStrategy(placements, TOPOLOGY, 2, schedule="zero_bubble")
-    MultiModulePipelineStrategy({"enc_a": P(recompute=True), "llm": P()}, TOPOLOGY, 2, schedule="zero_bubble")
-
-
 # --- recompute: same gradients, fewer saved activations ----------------------------------------------
 
 

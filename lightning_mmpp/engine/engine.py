@@ -49,7 +49,10 @@ from lightning_mmpp.engine.metrics import MetricReducer
 from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
 from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
-from lightning_mmpp.engine.sharding import apply_memory_options, check_memory_options, replace_optimizer_parameters
+from lightning_mmpp.engine.sharding import (
+    apply_memory_options, check_grad_reduction, dp_mesh, is_fsdp_unit, mixed_precision_policy,
+    replace_optimizer_parameters, shard_layer,
+)
 from lightning_mmpp.engine.tensor_parallel import (
     StageMeshes, TensorParallelRelay, agree_on_errors, apply_tensor_parallel, check_tensor_parallel,
 )
@@ -143,6 +146,9 @@ class PipelineEngine:
             accelerators, not on CPU; see :mod:`lightning_mmpp.engine.data_parallel`).
         overlap: transfers run beside computes (default); ``False`` waits for every exchange, for
             comparison (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`).
+        sharded_grad_reduction: when sharded stages reduce-scatter their gradients: ``"step"``
+            (default, once after the stage's last backward) or ``"microbatch"`` (after every
+            backward: less memory, more traffic); see :data:`~lightning_mmpp.engine.sharding.GRAD_REDUCTIONS`.
         nvtx: push an NVTX range per action (forward/backward/I/W/exchange with module, stage and
             microbatch) for Nsight Systems; default: ``MMPP_NVTX``, else on CUDA when tracing.
 
@@ -170,7 +176,9 @@ class PipelineEngine:
         launch_in_backward: Optional[bool] = None,
         overlap: bool = True,
         nvtx: Optional[bool] = None,
+        sharded_grad_reduction: str = "step",
     ) -> None:
+        check_grad_reduction(sharded_grad_reduction)
         schedule, stage_numbering = check_engine_options(
             layout, num_microbatches, schedule, stage_numbering, static_shapes, pretrained
         )
@@ -201,11 +209,16 @@ class PipelineEngine:
         if self.world_size > 1:
             dist.barrier()  # NCCL wants one collective before the first batched P2P
         built_here = not is_partitioned(model)  # else an earlier engine built (and agreed on) the stages
-        self.partition, self.pretrained_keys_read = self._partition(model, dict(pretrained or {}), seed)
+        self._precision, self._convert_module = precision, convert_module
+        self._meshes: dict[tuple[int, ...], Any] = {}
+        self.meshes: Optional[StageMeshes] = None  # tp stages' meshes, made after the build
+        self.partition, self.pretrained_keys_read, replaced = self._partition(model, dict(pretrained or {}), seed)
         owned = self.partition.owned_parameter_ids
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in owned]
+        if replaced:  # layers sharded while built: point the optimizers at their sharded parameters
+            replace_optimizer_parameters(optimizers, replaced)
         if convert_module is not None:
             convert_module(model)
         model.to(self.device)
@@ -217,8 +230,8 @@ class PipelineEngine:
         if self.meshes is not None:
             _TENSOR_PARALLEL[model] = (self.tp_groups, self.meshes)
         self.sharded = apply_memory_options(
-            layout, self.partition.runners, self.partition.tied, self.dp_groups, self.device, precision, optimizers,
-            tp_index=layout.tp_index(self.rank), meshes=self.meshes,
+            layout, self.partition.runners, self.partition.tied, self._mesh, self.device, precision, optimizers,
+            sharded_grad_reduction,
         )
         self.no_backward_modules = layout.no_backward_modules(self.partition.frozen_modules)
         self.tracer: Tracer | Any = tracer_for(self.rank, trace_dir, nvtx=nvtx, device=self.device)
@@ -280,14 +293,50 @@ class PipelineEngine:
         replace_optimizer_parameters(optimizers, replaced)
         return meshes
 
+    def _mesh(self, module: str, stage: int) -> Any:
+        """The device mesh of ``module``'s stage ``stage`` over this rank's dp group (made once); a tp
+        stage's dp dimension of its 2-D mesh."""
+        mesh = self.meshes.dp_mesh(module) if self.meshes is not None else None
+        if mesh is not None:
+            return mesh
+        ranks = self.layout.dp_group(module, stage, self.layout.tp_index(self.rank))
+        if ranks not in self._meshes:
+            self._meshes[ranks] = dp_mesh(self.dp_groups[ranks], self.device)
+        return self._meshes[ranks]
+
+    def _shard_while_building(self, partition: Partition) -> list[tuple[str, str, nn.Module]]:
+        """``(module, layer name, layer)`` of every layer of a sharded stage that is wholly on the
+        meta device: it is sharded before it is allocated (see :mod:`lightning_mmpp.model.construction`)."""
+        layers = []
+        for module, runner in partition.runners.items():
+            placement = self.layout.placements[module]
+            if placement.shard and placement.tp == 1:  # a tp layer is parallelized (whole) before it is sharded
+                for name, layer in zip(runner.layer_names, runner.layers):
+                    tensors = [*layer.parameters(), *layer.buffers()]
+                    if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
+                        layers.append((module, name, layer))
+        return layers
+
+    def _shard_layer(self, module_of: Mapping[int, tuple[str, int]]) -> Callable[[nn.Module], tuple[int, int]]:
+        """The callback that shards a meta layer of a sharded stage (dtype conversion first)."""
+        policy = mixed_precision_policy(self._precision)
+
+        def shard(layer: nn.Module) -> tuple[int, int]:
+            if self._convert_module is not None:
+                self._convert_module(layer)
+            return shard_layer(layer, self._mesh(*module_of[id(layer)]), policy)
+
+        return shard
+
     def _partition(
         self, model: nn.Module, pretrained: Mapping[str, PretrainedSource], seed: Optional[int]
-    ) -> tuple[Partition, dict[str, list[str]]]:
-        """Keep this rank's stages of ``model`` and build them (or reuse an earlier engine's partition)."""
+    ) -> tuple[Partition, dict[str, list[str]], dict[int, nn.Parameter]]:
+        """Keep this rank's stages of ``model`` and build them (or reuse an earlier engine's
+        partition); also ``{id(meta parameter): sharded parameter}`` of the layers sharded while built."""
         cached = _PARTITIONED.get(model)
         if cached is not None:
             if cached[0] is self.layout and cached[1] == self.rank:
-                return cached[2], {}
+                return cached[2], {}, {}
             raise PipelineConfigError(
                 "this model was already partitioned for another layout or rank (it keeps only that rank's stages); "
                 "build a fresh model for a new layout."
@@ -296,9 +345,17 @@ class PipelineEngine:
         partition = partition_model(model, self.layout, self.rank)
         if plan.on_meta and seed is None:
             seed = self._broadcast_seed()
-        read = build_own_stages(model, plan, self.device, seed or 0, partition.tied)
+        shard_layers = self._shard_while_building(partition) if plan.on_meta else []
+        module_of = {id(layer): (module, partition.runners[module].stage) for module, _, layer in shard_layers}
+        before = {id(layer): dict(layer.named_parameters()) for _, _, layer in shard_layers}
+        read = build_own_stages(model, plan, self.device, seed or 0, partition.tied, shard_layers,
+                                self._shard_layer(module_of))
+        replaced = {}
+        for _, _, layer in shard_layers:
+            after = dict(layer.named_parameters())
+            replaced.update({id(old): after[name] for name, old in before[id(layer)].items()})
         _PARTITIONED[model] = (self.layout, self.rank, partition)
-        return partition, read
+        return partition, read, replaced
 
     @torch.no_grad()
     def _agree_initial_values(self) -> None:
@@ -312,6 +369,8 @@ class PipelineEngine:
             ranks = self.layout.dp_group(module, runner.stage, self.layout.tp_index(self.rank))
             if len(ranks) > 1:
                 for layer in runner.layers:
+                    if is_fsdp_unit(layer):  # sharded while built: every replica built the same values
+                        continue
                     for tensor in [*layer.parameters(), *layer.buffers()]:
                         dist.broadcast(tensor, src=ranks[0], group=self.dp_groups[ranks])
         for tie in self.partition.tied:
@@ -516,7 +575,6 @@ def check_engine_options(
     """The engine's options against the layout, raised identically on every rank before any
     collective; returns the schedule and the stage numbering parsed."""
     parsed = check_schedule_args(schedule, num_microbatches, stage_numbering)  # type: ignore[arg-type]
-    check_memory_options(layout.placements, parsed[0])
     if layout.virtual and layout.v_shape != parsed[0].v_shape:
         raise PipelineConfigError(
             f"schedule={str(parsed[0])!r} with virtual stages needs the layout's chunks "

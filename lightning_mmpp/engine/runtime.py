@@ -45,6 +45,7 @@ from lightning_mmpp.torch_api import tree_flatten, tree_map
 from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
 from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError, PipelineError
 from lightning_mmpp.engine.failures import FailureBoard
+from lightning_mmpp.engine.sharding import forward_parameters
 from lightning_mmpp.model.hooks import pipeline_loss_caller
 from lightning_mmpp.model.partition import StageRunner
 from lightning_mmpp.model.ragged import Ragged, run_ragged
@@ -247,7 +248,7 @@ class StageExecutor:
             if index:
                 h = _detached(h)
             out = layer(h)
-            params = [p for p in layer.parameters() if p.requires_grad]
+            params = forward_parameters(layer)  # an FSDP2 unit's unsharded ones
             pieces.append(_LayerPiece(params, tree_flatten(h)[0], tree_flatten(out)[0]))
             h = out
         return h, pieces

@@ -11,9 +11,20 @@ Gradient reduction happens once per step, not once per microbatch: before each b
 sharded stage the runtime says whether it is the stage's last backward of the step
 (:meth:`ShardedStage.before_backward`); earlier backwards accumulate unsharded gradients
 locally (``set_requires_gradient_sync(False)``, what ``torch.distributed.pipelining`` stages
-do), the last one reduce-scatters them. The reduction *sums* over the replicas
+do), the last one reduce-scatters them. ``sharded_grad_reduction="microbatch"`` reduce-scatters after every backward instead (see
+:data:`GRAD_REDUCTIONS`). The reduction *sums* over the replicas
 (``set_gradient_divide_factor(1.0)``): the runtime pre-scales every loss so that the sum is the
 gradient of the global mean loss, as for unsharded modules.
+
+Under ``zero_bubble`` a stage's backward is split into ``I`` (input gradients) and ``W`` (weight
+gradients, :class:`~lightning_mmpp.engine.runtime.StageExecutor`): each is a separate autograd
+call, so FSDP2's pre-backward hook gathers the layer for each and its post-backward reshards
+after each; ``W`` asks autograd for the *unsharded* parameters the forward used
+(:func:`forward_parameters`), whose gradients FSDP2 then reduces into the shards. The runtime
+says which ``W`` is the stage's last of the step, as for a fused backward.
+
+A meta-built sharded layer is sharded before it is allocated (:func:`shard_layer` as the
+``shard`` callback of :func:`~lightning_mmpp.model.construction.build_own_stages`).
 
 ``ModulePlacement(recompute=True)``: each layer's forward runs under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)``, so an
@@ -26,18 +37,18 @@ change.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.partition import StageRunner
 
-__all__ = ["ShardedStage", "enable_recompute", "is_sharded", "mixed_precision_policy", "shard_stage"]
+__all__ = ["ShardedStage", "enable_recompute", "forward_parameters", "is_sharded", "mixed_precision_policy",
+           "shard_layer", "shard_stage"]
 
 _RECOMPUTE_FLAG = "_mmpp_recompute"
 
@@ -65,6 +76,13 @@ def is_sharded(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor, the tensor itself otherwise."""
     return tensor.to_local() if is_sharded(tensor) else tensor
@@ -84,21 +102,47 @@ def mixed_precision_policy(precision: str) -> Optional[Any]:
     return None
 
 
-class ShardedStage:
-    """The FSDP2 units (one per layer with parameters) of one sharded stage on this rank."""
+GRAD_REDUCTIONS = ("step", "microbatch")
+"""When a sharded stage reduce-scatters its gradients (``sharded_grad_reduction=``):
 
-    def __init__(self, module: str, units: Sequence[nn.Module]) -> None:
+- ``"step"`` (default): once per step, after the stage's last backward (its last ``W`` under
+  ``zero_bubble``); earlier backwards accumulate *unsharded* gradients locally. Least
+  communication (one reduce-scatter per layer and step), but the stage's whole unsharded
+  gradient stays resident from its first backward to its last.
+- ``"microbatch"``: after every backward; only sharded gradients stay resident (1/dp of them),
+  for ``m`` times the reduce-scatter traffic. Numbers of both: benchmarks/README.md."""
+
+
+def check_grad_reduction(value: str) -> str:
+    """``value`` if it is one of :data:`GRAD_REDUCTIONS`, else a :class:`PipelineConfigError`."""
+    if value not in GRAD_REDUCTIONS:
+        raise PipelineConfigError(
+            f"sharded_grad_reduction={value!r}: choose 'step' (reduce-scatter once per step, unsharded gradients "
+            "accumulate in between) or 'microbatch' (reduce-scatter after every backward, less memory, more traffic)."
+        )
+    return value
+
+
+class ShardedStage:
+    """The FSDP2 units (one per layer with parameters) of one sharded stage on this rank.
+
+    ``every_microbatch``: reduce-scatter after every backward instead of after the step's last.
+    """
+
+    def __init__(self, module: str, units: Sequence[nn.Module], every_microbatch: bool = False) -> None:
         self.module = module
         self.units = list(units)
+        self.every_microbatch = every_microbatch
 
     def before_backward(self, last: bool) -> None:
-        """Reduce-scatter gradients in this backward only if it is the stage's last of the step."""
+        """Reduce-scatter gradients in this backward only if it is the stage's last of the step
+        (or always, with ``every_microbatch``)."""
         for unit in self.units:
-            unit.set_requires_gradient_sync(last)  # type: ignore[operator]
+            unit.set_requires_gradient_sync(last or self.every_microbatch)  # type: ignore[operator]
 
 
 def shard_stage(
-    runner: StageRunner, mesh: Any, mp_policy: Optional[Any] = None
+    runner: StageRunner, mesh: Any, mp_policy: Optional[Any] = None, grad_reduction: str = "step"
 ) -> tuple[ShardedStage, dict[int, nn.Parameter]]:
     """``fully_shard`` every layer of ``runner`` that has parameters over ``mesh`` (the dp group).
 
@@ -106,26 +150,57 @@ def shard_stage(
     parameter by a DTensor parameter, so optimizers built on the old ones must be pointed at the
     new ones (:func:`replace_optimizer_parameters`).
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     units = []
     replaced: dict[int, nn.Parameter] = {}
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in runner.layers:
         before = dict(layer.named_parameters())
         if not before:
             continue
-        if isinstance(layer, FSDPModule):  # a re-fit of a model this strategy sharded already
-            units.append(layer)
-            continue
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True, **kwargs)
-        layer.set_gradient_divide_factor(1.0)  # a sum over replicas: losses are pre-scaled
-        layer.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
-        after = dict(layer.named_parameters())
-        for name, old in before.items():
-            replaced[id(old)] = after[name]
+        if not is_fsdp_unit(layer):  # else sharded while built, or by an earlier fit
+            shard_layer(layer, mesh, mp_policy)
+            after = dict(layer.named_parameters())
+            for name, old in before.items():
+                replaced[id(old)] = after[name]
         units.append(layer)
-    return ShardedStage(runner.module, units), replaced
+    return ShardedStage(runner.module, units, every_microbatch=grad_reduction == "microbatch"), replaced
+
+
+def shard_layer(layer: nn.Module, mesh: Any, mp_policy: Optional[Any] = None) -> tuple[int, int]:
+    """``fully_shard`` one layer over ``mesh`` (on meta too: then only the shards get allocated);
+    returns ``(this rank's chunk index, number of chunks)`` of its row-sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    fully_shard(layer, mesh=mesh, reshard_after_forward=True, **kwargs)
+    layer.set_gradient_divide_factor(1.0)  # a sum over replicas: losses are pre-scaled
+    layer.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    _record_forward_parameters(layer)
+    return mesh.get_local_rank(), mesh.size()
+
+
+_FORWARD_PARAMETERS = "_mmpp_forward_parameters"
+
+
+def _record_forward_parameters(layer: nn.Module) -> None:
+    """Remember the parameters ``layer``'s forward computed with (see :func:`forward_parameters`).
+
+    FSDP2 swaps a unit's sharded parameters for unsharded ones around its forward and swaps them
+    back in its forward hook; this hook runs first (``prepend=True``), while the unsharded ones,
+    which autograd accumulates gradients into, are still the module's.
+    """
+
+    def remember(module: nn.Module, args: Any, output: Any) -> None:
+        setattr(module, _FORWARD_PARAMETERS, [p for p in module.parameters() if p.requires_grad])
+
+    layer.register_forward_hook(remember, prepend=True)
+
+
+def forward_parameters(layer: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters ``layer``'s last forward used: what a split backward's ``W`` asks
+    autograd for. The module's own parameters, except for an FSDP2 unit, whose forward runs on
+    the unsharded parameters that FSDP2 then reduce-scatters into the sharded ones' gradients."""
+    recorded = getattr(layer, _FORWARD_PARAMETERS, None)
+    return list(recorded) if recorded is not None else [p for p in layer.parameters() if p.requires_grad]
 
 
 def replace_optimizer_parameters(optimizers: Sequence[Any], replaced: Mapping[int, nn.Parameter]) -> None:
@@ -148,33 +223,21 @@ def dp_mesh(group: Any, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device_type=device.type, mesh_dim_names=(f"dp_{group.group_name}",))
 
 
-def check_memory_options(placements: Mapping[str, Any], schedule: ScheduleName | str) -> None:
-    """User errors of ``shard``/``recompute`` that need no model, raised on every rank at construction."""
-    sharded = sorted(m for m, p in placements.items() if p.shard)
-    if sharded and ScheduleName.parse(schedule).split_backward:
-        raise PipelineConfigError(
-            f"modules {sharded} have shard=True, which schedule='{schedule}' does not support: its split backward "
-            "runs the weight half of a layer apart from its input half, and FSDP2 reduce-scatters a layer's "
-            "gradients when its backward ends. Use schedule='1f1b' with shard=True, or shard=False."
-        )
-
-
 def apply_memory_options(
     layout: Any,
     runners: Mapping[str, StageRunner],
     tied: Sequence[Any],
-    dp_groups: Mapping[tuple[int, ...], Any],
+    mesh_of: Callable[[str, int], Any],
     device: torch.device,
     precision: str,
     optimizers: Sequence[Any],
-    tp_index: int = 0,
-    meshes: Optional[Any] = None,
+    grad_reduction: str = "step",
 ) -> dict[str, ShardedStage]:
     """Recompute and shard this rank's stages as their placements ask; return the sharded stages.
 
     Runs after the stages are built (materialised, pretrained values loaded) and on the device,
-    before the optimizer's first step; optimizers are pointed at the sharded parameters. ``meshes``
-    (:class:`~lightning_mmpp.engine.tensor_parallel.StageMeshes`) gives a tp stage's dp dimension.
+    before the optimizer's first step; optimizers are pointed at the sharded parameters.
+    ``mesh_of(module, stage)`` is the mesh to shard over (a tp stage's dp dimension of its 2-D mesh).
     """
     tied_modules = sorted({module for tie in tied for module, _ in tie.owners if layout.placements[module].shard})
     if tied_modules:
@@ -192,10 +255,7 @@ def apply_memory_options(
             for layer in runner.layers:
                 enable_recompute(layer)
         if placement.shard:
-            mesh = meshes.dp_mesh(module) if meshes is not None else None  # a tp stage's 2-D mesh
-            if mesh is None:
-                mesh = dp_mesh(dp_groups[layout.dp_group(module, runner.stage, tp_index)], device)
-            sharded[module], new = shard_stage(runner, mesh, policy)
+            sharded[module], new = shard_stage(runner, mesh_of(module, runner.stage), policy, grad_reduction)
             replaced.update(new)
     if replaced:
         replace_optimizer_parameters(optimizers, replaced)

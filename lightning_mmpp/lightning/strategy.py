@@ -34,6 +34,7 @@ from lightning_mmpp.core.topology import ModuleTopology
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
 from lightning_mmpp.engine.engine import PipelineEngine, StepOutput, check_engine_options, is_partitioned
 from lightning_mmpp.engine.microbatch import microbatch_count
+from lightning_mmpp.engine.sharding import check_grad_reduction
 from lightning_mmpp.engine.trace import NULL_TRACER
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.lightning import fit
@@ -67,10 +68,12 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             omitted when the LightningModule declares it as ``pipeline_topology``; if both are
             given they must agree.
         num_microbatches: microbatches per global batch.
-        schedule, stage_numbering, pretrained, static_shapes, trace_dir, nvtx: the engine's options, see
+        schedule, stage_numbering, pretrained, static_shapes, trace_dir, nvtx, sharded_grad_reduction: the
+            engine's options, see
             :class:`~lightning_mmpp.engine.engine.PipelineEngine` (``"1f1b"``, ``"gpipe"`` or
             ``"zero_bubble"``; ``{module: weights file}``; a promise of fixed shapes; a directory
-            for a Chrome trace of every action, written at teardown; NVTX ranges per action).
+            for a Chrome trace of every action, written at teardown; NVTX ranges per action; when
+            ``shard=True`` stages reduce-scatter gradients, ``"step"`` or ``"microbatch"``).
         process_group_backend: defaults to gloo on CPU, NCCL on CUDA.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script per rank, like ``ddp``), ``"spawn"`` or
@@ -107,6 +110,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         preemption_checkpoint: Optional[str] = None,
         static_shapes: bool = False,
         nvtx: Optional[bool] = None,
+        sharded_grad_reduction: str = "step",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -127,6 +131,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         self._check_options()
         self.trace_dir = trace_dir
         self.nvtx = nvtx
+        self.sharded_grad_reduction = check_grad_reduction(sharded_grad_reduction)
         self.preemption_checkpoint = preemption_checkpoint
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -262,6 +267,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             optimizers=self.optimizers if fitting else (), convert_module=self.precision_plugin.convert_module,
             precision=str(getattr(self.precision_plugin, "precision", "32-true")), pretrained=self.pretrained,
             static_shapes=self.static_shapes, trace_dir=self.trace_dir, timeout=self._timeout, nvtx=self.nvtx,
+            sharded_grad_reduction=self.sharded_grad_reduction,
         )
         self.setup_precision_plugin()
         if fitting:

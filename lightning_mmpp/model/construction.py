@@ -7,12 +7,22 @@ before the first collective. ``build_own_stages`` runs after partitioning: the m
 only the rank's own layers (under their original names), which are allocated on the rank's
 device, initialised by :func:`~lightning_mmpp.model.initialization.materialize` and overwritten with
 their pretrained values; nothing else is allocated or read.
+
+Sharded while built (``ModulePlacement(shard=True)`` on a meta-built model): a layer of a sharded
+stage is handed, still on meta, to a ``shard`` callback (the engine's ``fully_shard`` over the
+stage's dp group), which says which of how many row chunks this rank keeps; only the local
+shards are allocated. Then, one submodule at a time, :func:`initialise_submodule` runs on a
+whole-size temporary copy under the submodule's own RNG (the layout-independent rule) and the
+rank keeps its rows; pretrained values are read as those rows only. So a rank holds its own
+shards plus at most one submodule's whole tensors, and the values are bitwise those of
+:func:`~lightning_mmpp.model.initialization.materialize` in one process.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -21,6 +31,7 @@ from torch import nn
 
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import (
+    _own_tensors,
     check_materializable,
     covered_submodules,
     has_meta_tensors,
@@ -39,7 +50,11 @@ from lightning_mmpp.model.pretrained import (
     open_source,
 )
 
-__all__ = ["ConstructionPlan", "build_own_stages", "load_pretrained", "plan_construction"]
+__all__ = ["ConstructionPlan", "ShardLayer", "build_own_stages", "load_pretrained", "plan_construction"]
+
+ShardLayer = Callable[[nn.Module], tuple[int, int]]
+"""Shard a meta layer in place (its parameters become row-sharded DTensors, ``torch.chunk`` along
+dim 0); returns ``(this rank's chunk index, number of chunks)``."""
 
 
 @dataclass
@@ -79,36 +94,156 @@ def plan_construction(
 
 
 def build_own_stages(
-    model: nn.Module, plan: ConstructionPlan, device: torch.device, seed: int, tied: Sequence[TiedParameter] = ()
+    model: nn.Module,
+    plan: ConstructionPlan,
+    device: torch.device,
+    seed: int,
+    tied: Sequence[TiedParameter] = (),
+    shard_layers: Sequence[tuple[str, str, nn.Module]] = (),
+    shard: Optional[ShardLayer] = None,
 ) -> dict[str, list[str]]:
     """Allocate and initialise the (partitioned) model's meta tensors, then load pretrained values.
 
     A tied parameter whose first owner (its initialiser in one process) this rank dropped is
     initialised from a throwaway copy of that owner, so every copy starts equal.
+    ``shard_layers`` (``(module, layer name, layer)``, every tensor still on meta) are sharded by
+    ``shard`` first and built as local shards, one at a time (see the module docstring).
     Returns ``{module: module-relative keys read from its source}``.
     """
+    read: dict[str, list[str]] = {}
     if plan.on_meta:
         skip = covered_submodules(model, covered_names(plan.sources, plan.aliases))
+        if shard_layers:
+            assert shard is not None, "sharded layers need the shard callback"
+            for module, name, layer in shard_layers:
+                keys = _build_sharded_layer(module, name, layer, shard, plan, device, seed, tied, skip)
+                read.setdefault(module, []).extend(keys)
         was_meta = {id(t.local) for t in tied if t.local is not None and t.local.is_meta}
         materialize(model, seed, device=device, skip=skip)
         held = {id(m) for m in model.modules()}
         for tie in tied:
             if id(tie.local) in was_meta and id(tie.first_owner) not in held and tie.first_owner_name not in skip:
-                owner = copy.deepcopy(tie.first_owner)
-                for key, t in list(owner.named_parameters(recurse=False)):
-                    if not t.is_meta:  # the copy holds the tied tensor for real: re-create it
-                        owner._parameters[key] = nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                initialise_submodule(owner, tie.first_owner_name, seed, device)
                 with torch.no_grad():
-                    tie.local.copy_(getattr(owner, tie.attribute))  # type: ignore[union-attr]
-    read = {}
+                    tie.local.copy_(_first_owner_value(tie, seed, device))  # type: ignore[union-attr]
     for source in plan.sources:
         container = getattr(model, source.module)
-        read[source.module] = load_pretrained_tensors(
-            source, container.state_dict(keep_vars=True), plan.aliases.get(source.module, {})
+        state = container.state_dict(keep_vars=True)
+        built = [name for module, name, _ in shard_layers if module == source.module]
+        rest = {k: v for k, v in state.items() if not any(_within(k, name) for name in built)}
+        read.setdefault(source.module, []).extend(
+            load_pretrained_tensors(source, rest, plan.aliases.get(source.module, {}))
         )
         source.release()
     return read
+
+
+def _within(key: str, layer_name: str) -> bool:
+    """Whether state-dict ``key`` of a module belongs to its layer ``layer_name`` ("" = the whole module)."""
+    return not layer_name or key.startswith(f"{layer_name}.")
+
+
+def _first_owner_value(tie: TiedParameter, seed: int, device: torch.device) -> torch.Tensor:
+    """The initial value of a tied parameter from a throwaway copy of its first owner (dropped here)."""
+    owner = copy.deepcopy(tie.first_owner)
+    for key, t in list(owner.named_parameters(recurse=False)):
+        if not t.is_meta:  # the copy holds the tied tensor for real: re-create it
+            owner._parameters[key] = nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+    initialise_submodule(owner, tie.first_owner_name, seed, device)
+    return getattr(owner, tie.attribute).detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a parameter sharded by ``shard``), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _chunk_rows(length: int, index: int, count: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of chunk ``index`` when ``length`` rows are cut as ``torch.chunk`` does."""
+    size = math.ceil(length / count) if length else 0
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+def _build_sharded_layer(
+    module: str,
+    name: str,
+    layer: nn.Module,
+    shard: ShardLayer,
+    plan: ConstructionPlan,
+    device: torch.device,
+    seed: int,
+    tied: Sequence[TiedParameter],
+    skip: set[str],
+) -> list[str]:
+    """Shard one meta layer, allocate its local shards and fill them; return the pretrained keys read."""
+    prefix = f"{module}.{name}" if name else module
+    params = {id(p): key for key, p in layer.named_parameters(remove_duplicate=False)}
+    tie_of = {params[id(t.local)]: t for t in tied if t.local is not None and id(t.local) in params}
+    # every submodule with tensors of its own, with a whole-size meta copy to initialise
+    whole: list[tuple[str, str, nn.Module]] = []
+    for sub, m in layer.named_modules():
+        if any(True for _ in _own_meta(m)):
+            whole.append((sub, f"{prefix}.{sub}" if sub else prefix, _meta_copy(m)))
+    index, count = shard(layer)
+    layer.to_empty(device=device)
+    for key, tie in tie_of.items():  # the sharded parameter replaced the meta one
+        tie.local = layer.get_parameter(key)
+    state = layer.state_dict(keep_vars=True)
+    own_names = {qualified for _, qualified, _ in whole}
+    filled: set[int] = set()
+    with torch.no_grad():
+        for sub, qualified, template in whole:
+            if qualified in skip:
+                continue
+            initialise_submodule(template, qualified, seed, device)
+            for key, value in _own_tensors(template):
+                full_key = f"{sub}.{key}" if sub else key
+                tie = tie_of.get(full_key)
+                if tie is not None and tie.first_owner_name != qualified:
+                    continue  # filled below from its first owner, as in one process
+                _fill(state[full_key], value, index, count, filled)
+            del template
+        for key, tie in tie_of.items():
+            if tie.first_owner_name not in skip and tie.first_owner_name not in own_names:
+                _fill(state[key], _first_owner_value(tie, seed, device), index, count, filled)
+    read: list[str] = []
+    for source in plan.sources:
+        if source.module != module:
+            continue
+        tensors = {f"{name}.{k}" if name else k: v for k, v in state.items()}
+        locals_ = {k: _local(v) for k, v in tensors.items()}
+        rows = {k: _chunk_rows(v.shape[0], index, count) for k, v in tensors.items() if _local(v) is not v}
+        read = load_pretrained_tensors(source, locals_, plan.aliases.get(module, {}), rows)
+    return read
+
+
+def _own_meta(module: nn.Module):  # type: ignore[no-untyped-def]
+    return ((k, t) for k, t in _own_tensors(module) if t is not None and t.is_meta)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with whole-size meta copies of its own tensors (children shared):
+    what :func:`initialise_submodule` fills before the rank keeps its rows."""
+    twin = copy.copy(module)
+    twin._parameters = {k: None if p is None else nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                        for k, p in module._parameters.items()}
+    twin._buffers = {k: None if b is None else torch.empty_like(b, device="meta") for k, b in module._buffers.items()}
+    return twin
+
+
+def _fill(dest: torch.Tensor, value: torch.Tensor, index: int, count: int, filled: set[int]) -> None:
+    """Copy ``value`` (whole) into ``dest``: its rows of chunk ``index`` if ``dest`` is sharded."""
+    if id(dest) in filled:  # a tensor shared inside the layer: its first owner filled it
+        return
+    filled.add(id(dest))
+    local = _local(dest)
+    if local is dest:
+        dest.copy_(value)
+        return
+    start, stop = _chunk_rows(value.shape[0], index, count)
+    assert local.shape[0] == stop - start, f"shard rows {tuple(local.shape)} vs chunk {start}:{stop} of {tuple(value.shape)}"
+    local.copy_(value[start:stop])
 
 
 def load_pretrained(

@@ -91,8 +91,14 @@ class PretrainedSource:
     strict: bool = True
     _torch_state: Optional[Mapping[str, Tensor]] = field(default=None, repr=False)
 
-    def read(self, wanted: Mapping[str, Tensor]) -> None:
-        """Copy the source's values into ``wanted`` (module-relative key -> destination tensor)."""
+    def read(self, wanted: Mapping[str, Tensor], rows: Mapping[str, tuple[int, int]] = {}) -> None:
+        """Copy the source's values into ``wanted`` (module-relative key -> destination tensor).
+
+        ``rows`` (key -> ``(start, stop)``) asks for only those rows (dim 0) of a stored tensor: the
+        local shard of a parameter sharded while it is built. Safetensors files read just those
+        rows (``get_slice``), memory-mapped torch files touch just their pages; a DCP directory
+        stages the one whole tensor and copies the rows out.
+        """
         if not wanted:
             return
         with torch.no_grad():
@@ -100,16 +106,21 @@ class PretrainedSource:
                 safe_open = _safetensors().safe_open
                 with safe_open(str(self.path), framework="pt") as f:
                     for key, dest in wanted.items():
-                        dest.copy_(f.get_tensor(self.stored_keys[key]))
+                        if key in rows:
+                            dest.copy_(f.get_slice(self.stored_keys[key])[rows[key][0]:rows[key][1]])
+                        else:
+                            dest.copy_(f.get_tensor(self.stored_keys[key]))
             elif self.kind == "torch":
                 state = self._torch_state if self._torch_state is not None else _torch_load(self.path)
                 for key, dest in wanted.items():
-                    dest.copy_(state[self.stored_keys[key]])
+                    stored = state[self.stored_keys[key]]
+                    dest.copy_(stored[rows[key][0]:rows[key][1]] if key in rows else stored)
             else:
                 from lightning_mmpp.model.checkpoint_files import dcp_load  # never unpickles objects
 
-                same = {self.stored_keys[k]: d for k, d in wanted.items() if d.dtype == self.specs[k].dtype}
-                cast = {k: d for k, d in wanted.items() if d.dtype != self.specs[k].dtype}
+                same = {self.stored_keys[k]: d for k, d in wanted.items()
+                        if d.dtype == self.specs[k].dtype and k not in rows}
+                cast = {k: d for k, d in wanted.items() if d.dtype != self.specs[k].dtype or k in rows}
                 staged = {
                     self.stored_keys[k]: torch.empty(self.specs[k].shape, dtype=self.specs[k].dtype, device=d.device)
                     for k, d in cast.items()
@@ -118,7 +129,9 @@ class PretrainedSource:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp_load({**same, **staged}, self.path, distributed=False)
                 for key, dest in cast.items():
-                    dest.copy_(staged[self.stored_keys[key]])
+                    whole = staged.pop(self.stored_keys[key])
+                    dest.copy_(whole[rows[key][0]:rows[key][1]] if key in rows else whole)
+                    del whole
 
     def release(self) -> None:
         """Drop the memory map of a torch file."""
@@ -275,15 +288,20 @@ def check_pretrained(
 
 
 def load_pretrained_tensors(
-    source: PretrainedSource, tensors: Mapping[str, Tensor], aliases: Mapping[str, Sequence[str]] = {}
+    source: PretrainedSource,
+    tensors: Mapping[str, Tensor],
+    aliases: Mapping[str, Sequence[str]] = {},
+    rows: Mapping[str, tuple[int, int]] = {},
 ) -> list[str]:
     """Copy the source values of ``tensors`` (module-relative key -> the tensor a rank holds).
 
     A key the source lacks is read under one of its ``aliases`` (tied tensors); keys found under
     no name are skipped (``check_pretrained`` already decided whether that is allowed). Each
-    tensor is read once. Returns the source keys read.
+    tensor is read once. ``rows`` (key -> ``(start, stop)``) reads only those rows of a key
+    (the rank's shard). Returns the source keys read.
     """
     wanted: dict[str, Tensor] = {}
+    wanted_rows: dict[str, tuple[int, int]] = {}
     seen: set[int] = set()
     for key, tensor in tensors.items():
         name = key if key in source.specs else next((a for a in aliases.get(key, ()) if a in source.specs), None)
@@ -291,7 +309,9 @@ def load_pretrained_tensors(
             continue
         seen.add(id(tensor))
         wanted[name] = tensor.detach()
-    source.read(wanted)
+        if key in rows:
+            wanted_rows[name] = rows[key]
+    source.read(wanted, wanted_rows)
     return list(wanted)
 
 
