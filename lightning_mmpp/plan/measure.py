@@ -42,7 +42,8 @@ P2P_SIZES = (256, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024)
 FSDP_WIDTHS = (32, 256, 1024)  # square linear layers: 4 KiB, 256 KiB, 4 MiB of fp32 parameters
 OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-DP_MICROBATCHES = (2, 32)
+DP_MICROBATCHES = (2, 16)
+FRAMEWORK_ROUNDS = 2
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 16  # width of the framework runs' activations: small, so their transfers are latency only
@@ -192,22 +193,24 @@ def _optimizer(device: torch.device) -> list[tuple[int, float]]:
 
 def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:
     """Median step seconds through ``Trainer.fit`` per microbatch count: ``dp`` (one stage, dp =
-    world, 2 layers) and ``chain`` (pp = world, one layer per stage)."""
+    world, 2 layers) and ``chain`` (pp = world, one layer per stage). The counts alternate over
+    ``FRAMEWORK_ROUNDS`` rounds and each median pools the rounds' steps, so a burst of load from
+    elsewhere weighs on both counts alike instead of on one fit."""
     from lightning_mmpp.plan.validate import timed_fit
 
     runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES)}
     if world > 1:
         runs["chain"] = (ModulePlacement(pp=world, dp=1), world, (world, 4 * world))
-    out: dict[str, list[tuple[int, float]]] = {}
-    for name, (placement, layers, counts) in runs.items():
-        out[name] = []
-        for m in counts:
-            torch.manual_seed(0)
-            batch = torch.randn(m * placement.dp * 2, FEATURES)
-            times = timed_fit(_FrameworkModel(layers), {"net": placement}, _FrameworkModel.pipeline_topology, m,
-                              "1f1b", batch, steps, device)
-            out[name].append((m, statistics.median(times)))
-    return out
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(FRAMEWORK_ROUNDS):
+        for name, (placement, layers, counts) in runs.items():
+            for m in counts:
+                torch.manual_seed(0)
+                batch = torch.randn(m * placement.dp * 2, FEATURES)
+                times.setdefault((name, m), []).extend(timed_fit(
+                    _FrameworkModel(layers), {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch,
+                    steps, device))
+    return {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
 
 
 def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:

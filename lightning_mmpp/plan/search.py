@@ -368,6 +368,17 @@ def _placements(space: _Space, structure: _Structure, collapse: bool = False,
     return {m: by_module[m] for m in space.profile.modules}
 
 
+def _one_sample_path(space: _Space, placements: dict[str, ModulePlacement]) -> float:
+    """Compute seconds per sample of the global batch along the longest module path (forward and
+    backward of every layer on it, each module's share divided by its dp): times
+    ``batch / m`` it is the round trip of one microbatch, which no schedule overlaps."""
+    longest: dict[str, float] = {}
+    for module in space.order:
+        before = max((longest[u] for u in space.upstream[module]), default=0.0)
+        longest[module] = before + sum(space.work(module)) / placements[module].dp
+    return max(longest.values(), default=0.0)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -706,13 +717,19 @@ class _Search:
             if not _dp_ok(placements, profile.topology):
                 continue
             lcm_dp = math.lcm(*(p.dp for p in placements.values()))
+            path = _one_sample_path(space, placements)
             for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
                 for schedule in schedules:
+                    # microbatch 0 alone crosses the longest path forward and back (whole
+                    # backwards: zero_bubble may defer the weight halves off the path): few
+                    # microbatches are ruled out here, before any cost model is built
+                    fused = schedule is not ScheduleName.ZERO_BUBBLE
+                    bound = max(structure.busy, path * profile.batch_size / m) if fused else structure.busy
                     key = (structure.groups, structure.beside, m, schedule)
                     if key in self.evaluated:
                         continue
                     self.evaluated.add(key)
-                    queue.append((structure.busy, len(queue), 0, structure, m, schedule, None))
+                    queue.append((bound, len(queue), 0, structure, m, schedule, None))
         return queue
 
     def run(self, queue: list[_Candidate]) -> None:
