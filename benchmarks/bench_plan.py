@@ -275,6 +275,7 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
     import torch
 
     from lightning_mmpp.plan import calibrate, profile_model
+    from lightning_mmpp.plan.launch import rank_threads
     from lightning_mmpp.plan.validate import measure_runs
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -289,7 +290,7 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
     for name, limit, state_floats in cases:
         spec, topology = ACCURACY_MODELS[name]
         make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
-        profile = profile_model(make(), batch, calibration=cal)
+        profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
         for kind, uniform in (("top", False), ("uniform", True)):
             plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
             runs.append((make, batch, plan))

@@ -93,7 +93,8 @@ def load_target(target: str, batch_size: int) -> tuple[Any, Any, Any]:
 
 
 def profile_target(target: str, batch_size: int, device: str, repeats: int, bandwidth: Optional[float],
-                   latency: Optional[float], calibration: Optional[Calibration] = None) -> ModelProfile:
+                   latency: Optional[float], calibration: Optional[Calibration] = None,
+                   num_threads: Optional[int] = None) -> ModelProfile:
     """Profile ``script.py:ModelClass`` on a sample batch (see the module docstring)."""
     from lightning_mmpp.plan.profile import profile_model
 
@@ -101,7 +102,8 @@ def profile_target(target: str, batch_size: int, device: str, repeats: int, band
     model = cls()
     topology = getattr(model, "pipeline_topology", None) or topology
     return profile_model(model, batch, device=device, repeats=repeats, topology=topology,
-                         bandwidth_bytes_per_s=bandwidth, latency_s=latency, calibration=calibration)
+                         bandwidth_bytes_per_s=bandwidth, latency_s=latency, calibration=calibration,
+                         num_threads=num_threads)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -146,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 profile.latency_s = args.latency
         elif args.target:
             profile = profile_target(args.target, args.batch_size or 32, args.device, args.repeats, args.bandwidth,
-                                     args.latency, calibration)
+                                     args.latency, calibration, _profile_threads(args))
         else:
             parser.error("give script.py:ModelClass or --profile profile.json")
         if args.profile_out:
@@ -193,6 +195,15 @@ def _calibration(args: argparse.Namespace) -> Optional[Calibration]:
             raise PipelineConfigError(f"--calibration {args.calibration!r} is not a file; measure one with --calibrate.")
         return Calibration.from_json(args.calibration)
     return None
+
+
+def _profile_threads(args: argparse.Namespace) -> Optional[int]:
+    """Profile a CPU model with the threads one of ``--world-size`` local ranks gets."""
+    if not args.device.startswith("cpu"):
+        return None
+    from lightning_mmpp.plan.launch import rank_threads
+
+    return rank_threads(args.world_size)
 
 
 def _validate(args: argparse.Namespace, plans: list[Any]) -> list[float]:

@@ -24,7 +24,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_local"]
+__all__ = ["rank_threads", "run_local"]
+
+
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads of one of ``world_size`` local CPU ranks: the cores shared out, as
+    Lightning does for its own CPU processes."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _free_port() -> int:
@@ -48,7 +54,7 @@ def _worker(conn: Any, fn: Callable[..., Any], rank: int, world_size: int, port:
 
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(rank_threads(world_size))
         for name in ("lightning.pytorch", "lightning.fabric"):  # one banner per rank and fit otherwise
             logging.getLogger(name).setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", module="lightning")

@@ -159,6 +159,7 @@ def profile_model(
     latency_s: Optional[float] = None,
     seed: int = 0,
     calibration: Optional[Calibration] = None,
+    num_threads: Optional[int] = None,
 ) -> ModelProfile:
     """Measure every layer of every module of ``lightning_module`` on ``batch``.
 
@@ -179,10 +180,23 @@ def profile_model(
         calibration: this machine's measured costs (:func:`lightning_mmpp.plan.calibrate`),
             kept with the profile for the cost model; its link (p2p latency and bandwidth) is
             then the default link too.
+        num_threads: torch's intra-op threads while measuring (restored after): give what each
+            rank will run with (Lightning gives a CPU rank ``cpu_count // processes per node``);
+            on a CPU with fewer cores than ranks, layer times measured with every core differ
+            from the ranks' by orders of magnitude. ``None``: the current setting.
 
     Returns:
         A :class:`~lightning_mmpp.plan.costs.ModelProfile`.
     """
+    if num_threads is not None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            return profile_model(lightning_module, batch, device, repeats, topology=topology,
+                                 bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s, seed=seed,
+                                 calibration=calibration)
+        finally:
+            torch.set_num_threads(previous)
     device = torch.device(device)
     topology, topo = _model_topology(lightning_module, topology)
     no_backward = topo.no_backward_modules(_frozen_modules(lightning_module, topo))
