@@ -94,6 +94,8 @@ BACKWARD = Direction.BACKWARD
 def message_tag(key: MessageKey) -> int:
     """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it."""
     text = f"{key.direction.value}|{key.src_module}|{key.dst_module}|{key.microbatch}"
+    if key.src_chunk or key.dst_chunk:  # virtual stages: two chunks of a module share a rank pair
+        text += f"|{key.src_chunk}|{key.dst_chunk}"
     return zlib.crc32(text.encode())
 
 
@@ -123,11 +125,16 @@ class CommStats:
         return asdict(self)
 
 
-# (src rank, dst rank, src module, dst module, training step): a forward channel; its spec is
-# cached at both ends. Training and forward-only steps keep apart caches: a training step's
+# (src rank, dst rank, src module, dst module, src chunk, dst chunk, training step): a forward
+# channel; its spec is cached at both ends (the chunks tell apart the stages of a module with
+# virtual stages that one rank pair connects). Training and forward-only steps keep apart caches: a training step's
 # activations require grad, an evaluation step's do not, so alternating steps do not re-send
 # specs, and a ``static_specs`` promise holds per kind of step.
-_Channel = tuple[int, int, str, str, bool]
+_Channel = tuple[int, int, str, str, int, int, bool]
+
+
+def _channel(sender: int, receiver: int, key: MessageKey, training: bool) -> _Channel:
+    return (sender, receiver, key.src_module, key.dst_module, key.src_chunk, key.dst_chunk, training)
 
 
 def _order(key: MessageKey, sender: int, receiver: int) -> tuple[Any, ...]:
@@ -171,7 +178,7 @@ class _Incoming:
         return False
 
     @property
-    def channel_slot(self) -> tuple[int, Direction, str, str]:
+    def channel_slot(self) -> tuple[int, Direction, str, str, int, int]:
         """The channel whose receive buffers this reuses."""
         return _buffer_slot(self.peer, self.key)
 
@@ -284,9 +291,10 @@ class _BackwardIncoming(_Incoming):
         return None
 
 
-def _buffer_slot(peer: int, key: MessageKey) -> tuple[int, Direction, str, str]:
-    """(peer, direction, src module, dst module): the channel a send or receive buffer is kept for."""
-    return (peer, key.direction, key.src_module, key.dst_module)
+def _buffer_slot(peer: int, key: MessageKey) -> tuple[int, Direction, str, str, int, int]:
+    """(peer, direction, src module, dst module, src chunk, dst chunk): the channel a send or
+    receive buffer is kept for."""
+    return (peer, key.direction, key.src_module, key.dst_module, key.src_chunk, key.dst_chunk)
 
 
 def _leaves(spec: PayloadSpec) -> str:
@@ -441,12 +449,12 @@ class MultiModuleCommunicator:
         self._open: dict[int, _Group] = {}  # peer -> its posted group not yet complete
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
-        self._send_buffers: dict[tuple[int, Direction, str, str], torch.Tensor] = {}
+        self._send_buffers: dict[tuple[int, Direction, str, str, int, int], torch.Tensor] = {}
         self._recv_buffers = _ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
         self.static_specs = static_specs
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
-        self._packed: set[tuple[int, Direction, str, str]] = set()
+        self._packed: set[tuple[int, Direction, str, str, int, int]] = set()
         # which samples every replica holds in this step's microbatches (bridges routed by item count)
         self.routing: Optional[SampleRouting] = None
         # the layout is fixed: this rank's slot and the peers at the other end of each edge,
@@ -630,10 +638,10 @@ class MultiModuleCommunicator:
 
     # --- planning: who talks to whom -----------------------------------------------------
 
-    def _slot(self, module: str) -> StageSlot:
+    def _slot(self, module: str, chunk: int = 0) -> StageSlot:
         if module not in self.layout.placements:
             raise PipelineConfigError(f"unknown module {module!r}; the layout has {list(self.layout.placements)}.")
-        slot = self.layout.slot(self.rank, module)
+        slot = self.layout.slot(self.rank, module, chunk)
         if slot is None:
             ranks = self.layout.module_ranks(module)
             raise ValueError(
@@ -666,7 +674,7 @@ class MultiModuleCommunicator:
         cached = self._peer_cache.get(memo)
         if cached is not None:
             return cached
-        slot = self._slot(mine)
+        slot = self._slot(mine, key.src_chunk if downstream else key.dst_chunk)
         edges = self.layout.forward_targets(slot) if downstream else self.layout.forward_sources(slot)
         peers = [peer for module, peer in edges if module == theirs]
         if not peers:
@@ -724,7 +732,7 @@ class MultiModuleCommunicator:
                 continue
             tensors = [leaves[i] for i in spec.data_layout.indices]
             parts: list[torch.Tensor] = []
-            channel = (self.rank, peer.rank, key.src_module, key.dst_module, self._training)
+            channel = _channel(self.rank, peer.rank, key, self._training)
             cached = self._send_cache.get(channel)
             if cached != spec:
                 if cached is not None and self.static_specs:
@@ -842,7 +850,7 @@ class MultiModuleCommunicator:
             if peer.rank == self.rank:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
                 continue
-            channel = (peer.rank, self.rank, key.src_module, key.dst_module, self._training)
+            channel = _channel(peer.rank, self.rank, key, self._training)
             msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), channel,
                                    self._recv_cache.get(channel))
             sources.append((peer, (_Origin.REMOTE, msg)))

@@ -127,7 +127,8 @@ class PipelineEngine:
             here with :func:`~lightning_mmpp.materialize`'s rule, or loaded from ``pretrained``).
         layout: where every module runs (:class:`~lightning_mmpp.PipelineLayout`).
         num_microbatches: microbatches per global batch.
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zero_bubble"``.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"zero_bubble"``, or, for a layout with virtual
+            stages, ``"interleaved_1f1b"`` or ``"zbv"`` (its layout built with ``v_shape=True``).
         stage_numbering: ``"alap"`` (default) or ``"asap"`` (see :mod:`lightning_mmpp.core.topology`).
         device: this rank's device (default: CPU for gloo, ``cuda:<LOCAL_RANK>`` for NCCL).
         optimizers: optimizers built over the whole model before partitioning; each keeps the
@@ -253,7 +254,7 @@ class PipelineEngine:
         self.failures = FailureBoard(layout, self.rank, self.world_size)
         self.failures.attach()
         self.runtime = PipelineRuntime(
-            layout, self.rank, self.comm, self.partition.runners, model, tracer=self.tracer,
+            layout, self.rank, self.comm, self.partition.chunks, model, tracer=self.tracer,
             no_backward_modules=self.no_backward_modules, failures=self.failures, gradient_sync=self.gradients,
             overlap=overlap,
         )
@@ -581,11 +582,12 @@ def check_engine_options(
             + ("V-shaped: build it as PipelineLayout(..., v_shape=True)." if parsed[0].v_shape else
                "interleaved: build it as PipelineLayout(..., v_shape=False) (V-shaped chunks are for 'zbv').")
         )
-    if layout.virtual:
-        virtual = sorted(m for m, p in layout.placements.items() if p.virtual_stages > 1)
+    unsupported = sorted(m for m, p in layout.placements.items() if p.virtual_stages > 1 and (p.shard or p.tp > 1))
+    if unsupported:
         raise PipelineConfigError(
-            f"modules {virtual} have virtual_stages > 1, which the engine does not run yet (the schedules and the "
-            "simulator do); give them virtual_stages=1."
+            f"modules {unsupported} have virtual_stages > 1 with shard=True or tp > 1, which the engine does not "
+            "run (their chunks are not sharded or tensor-parallel yet); give them virtual_stages=1, or shard=False "
+            "and tp=1."
         )
     if not isinstance(static_shapes, bool):
         raise PipelineConfigError(f"static_shapes={static_shapes!r}: give True or False.")

@@ -45,7 +45,7 @@ class SinkOutputGatherer:
         self.world_size = world_size
         # (sink, replica, owner rank), in a fixed order every rank agrees on
         self.owners = [
-            (sink, replica, layout.rank_of(sink, layout.placements[sink].pp - 1, replica))
+            (sink, replica, layout.rank_of(sink, layout.num_stages(sink) - 1, replica))
             for sink in layout.topology.sinks
             for replica in range(layout.placements[sink].dp)
         ]

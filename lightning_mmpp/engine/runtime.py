@@ -226,10 +226,11 @@ class StageExecutor:
     layer modules themselves (as ``fully_shard`` and checkpoint wrappers do) to change them.
     """
 
-    def __init__(self, runner: StageRunner) -> None:
+    def __init__(self, runner: StageRunner, chunk: int = 0) -> None:
         self.runner = runner
         self.module = runner.module
         self.stage = runner.stage
+        self.unit = (runner.module, chunk)  # which of the rank's stages of the module it is
 
     def forward(self, x: Any, track_grad: bool, split: bool) -> tuple[Any, Optional[list[_LayerPiece]]]:
         """The stage output for input ``x``; with ``split`` also the per-layer graph pieces."""
@@ -310,7 +311,9 @@ class PipelineRuntime:
         layout: the placement.
         rank: this process's global rank.
         comm: the communicator (see :class:`Communicator`); :meth:`run` ends with its ``finish_step``.
-        runners: the stage this rank holds of each module.
+        runners: the stages this rank holds (any mapping; its values are used): one per module,
+            or, under virtual stages, one per chunk of a module (the runtime keys each by
+            ``(module, chunk)``, the chunk found from the runner's stage).
         hooks: ``pipeline_inputs`` / ``pipeline_loss`` provider.
         no_backward_modules: modules that run no backward (see
             :meth:`~lightning_mmpp.core.placement.PipelineLayout.no_backward_modules`).
@@ -325,7 +328,7 @@ class PipelineRuntime:
         layout: PipelineLayout,
         rank: int,
         comm: Communicator,
-        runners: Mapping[str, StageRunner],
+        runners: Mapping[Any, StageRunner],
         hooks: PipelineHooks,
         tracer: Tracer | None = None,
         no_backward_modules: frozenset[str] = frozenset(),
@@ -341,9 +344,14 @@ class PipelineRuntime:
         self.layout = layout
         self.rank = rank
         self.comm = comm
-        self.stages = {module: StageExecutor(runner) for module, runner in runners.items()}
-        self.loss_stages = {
-            module for module in runners if layout.is_loss_stage(layout.slot(rank, module))
+        self.stages = {
+            (runner.module, layout.chunk_of(runner.module, runner.stage)):
+                StageExecutor(runner, layout.chunk_of(runner.module, runner.stage))
+            for runner in runners.values()
+        }
+        self.loss_stages = {  # (sink, chunk) of the sinks' last stages on this rank
+            unit for unit, stage in self.stages.items()
+            if stage.stage == layout.num_stages(stage.module) - 1 and not layout.topology.downstream(stage.module)
         }
         self.hooks = hooks
         self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
@@ -366,11 +374,11 @@ class PipelineRuntime:
         """
         actions = schedule.for_rank(self.layout.tp_lead(self.rank))  # a tp group runs its lead's actions
         self.comm.begin_step(not schedule.forward_only)
-        split = {a.module for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
+        split = {a.unit for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
         step = _StepState(
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
         )
-        # the action after which a stage's parameter gradients are complete for this step
+        # the action after which a module's parameter gradients (over all its chunks) are complete
         last_gradient = {
             a.module: index for index, a in enumerate(actions)
             if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
@@ -413,17 +421,17 @@ class PipelineRuntime:
         return step.result
 
     def _compute(self, step: "_StepState", action: Compute) -> None:
-        stage = self.stages[action.module]
+        stage = self.stages[action.unit]
         k = action.microbatch
         # the receives this compute consumes, before its span: the trace shows waiting apart
         # from computing
-        self._take(step, action.module, k, Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD)
+        self._take(step, (*action.unit, k, Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD))
         with self.tracer.span(PHASE_SPANS[action.phase], action.module, microbatch=k, stage=stage.stage):
             if action.phase is Phase.FORWARD:
                 self._forward(step, stage, k)
             elif action.phase is Phase.BACKWARD_INPUT:
                 self._backward_input(step, stage, k)
-            elif action.phase is Phase.BACKWARD_WEIGHT and (stage.module, k) in step.pieces:
+            elif action.phase is Phase.BACKWARD_WEIGHT and (*stage.unit, k) in step.pieces:
                 self._backward_weight(step, stage, k)
             else:  # a fused B, or a lone W (a stage whose inputs need no gradient)
                 self._backward(step, stage, k)
@@ -454,16 +462,16 @@ class PipelineRuntime:
     @staticmethod
     def _store(step: "_StepState", key: MessageKey, payload: Any) -> None:
         if key.direction is Direction.FORWARD:
-            step.received.setdefault((key.dst_module, key.microbatch), {})[key.src_module] = payload
+            step.received.setdefault((*key.consumer, key.microbatch), {})[key.src_module] = payload
         else:
-            step.out_grads.setdefault((key.src_module, key.microbatch), {})[key.dst_module] = payload
+            step.out_grads.setdefault((*key.producer, key.microbatch), {})[key.dst_module] = payload
 
-    def _take(self, step: "_StepState", module: str, k: int, direction: Direction) -> None:
-        """Wait for the receives posted for ``(module, k)`` in ``direction`` (overlap mode)."""
-        keys = step.posted.pop((module, k, direction), None)
+    def _take(self, step: "_StepState", consumer: tuple[str, int, int, Direction]) -> None:
+        """Wait for the receives posted for ``(module, chunk, k, direction)`` (overlap mode)."""
+        keys = step.posted.pop(consumer, None)
         if not keys:
             return
-        with self.tracer.span("wait", "comm", microbatch=k):
+        with self.tracer.span("wait", "comm", microbatch=consumer[2]):
             for key, peer in keys.items():
                 try:
                     payload = self.comm.take(key)
@@ -476,16 +484,16 @@ class PipelineRuntime:
                                        direction=key.direction.name.lower())
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
-        module = stage.module
-        inputs = step.received.get((module, k), {})
+        module, unit = stage.module, (*stage.unit, k)
+        inputs = step.received.get(unit, {})
         if stage.stage == 0:
             upstream = {u: inputs[u] for u in self.layout.topology.upstream(module)}
             x = self.hooks.pipeline_inputs(module, step.shard(module, k), upstream)
         else:
             x = inputs[module]
         trained = step.training and module not in self.no_backward_modules
-        out, pieces = stage.forward(x, track_grad=trained, split=module in step.split)
-        loss_stage = module in self.loss_stages
+        out, pieces = stage.forward(x, track_grad=trained, split=stage.unit in step.split)
+        loss_stage = stage.unit in self.loss_stages
         if loss_stage and step.keep_sink_outputs:
             step.result.sink_outputs.setdefault(k, {})[module] = out
         if loss_stage and step.compute_loss:
@@ -500,7 +508,7 @@ class PipelineRuntime:
                 loss, sums, metrics = _token_loss_and_metrics(returned, module)
                 step.result.sink_losses[(module, k)] = loss.detach()
                 if step.training:
-                    step.losses[(module, k)] = loss  # unscaled: gradients are divided by the global count
+                    step.losses[unit] = loss  # unscaled: gradients are divided by the global count
                 for name, value in sums.items():
                     step.result.token_sums[name] = step.result.token_sums.get(name, 0) + value
                 self._accumulate(step.result, module, None, metrics, scale)
@@ -508,75 +516,76 @@ class PipelineRuntime:
                 loss, metrics = _loss_and_metrics(returned, module)
                 step.result.sink_losses[(module, k)] = loss.detach()
                 if step.training:
-                    step.losses[(module, k)] = loss * scale
+                    step.losses[unit] = loss * scale
                 self._accumulate(step.result, module, loss, metrics, scale)
         if trained:
-            step.outputs[(module, k)] = out  # stashed until its backward
+            step.outputs[unit] = out  # stashed until its backward
             if pieces is not None:
-                step.pieces[(module, k)] = pieces
+                step.pieces[unit] = pieces
             step.stashed += 1
             step.result.peak_stashed = max(step.result.peak_stashed, step.stashed)
-            self._set_stash_bytes(step, (module, k), (out, inputs))
+            self._set_stash_bytes(step, unit, (out, inputs))
             return
-        step.received.pop((module, k), None)
+        step.received.pop(unit, None)
         if not loss_stage:
-            step.outputs[(module, k)] = out  # freed once sent
+            step.outputs[unit] = out  # freed once sent
 
-    def _output_grads(self, step: "_StepState", module: str, k: int) -> tuple[list[Any], list[Any]]:
+    def _output_grads(self, step: "_StepState", unit: "_Unit") -> tuple[list[Any], list[Any]]:
         """The stage output's leaves and their gradients (summed over consumers), aligned."""
-        out_leaves, _ = tree_flatten(step.outputs.pop((module, k)))
+        out_leaves, _ = tree_flatten(step.outputs.pop(unit))
         grad: Optional[Any] = None
-        for g in step.out_grads.pop((module, k), {}).values():
+        for g in step.out_grads.pop(unit, {}).values():
             grad = g if grad is None else _add_payloads(grad, g)
         grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
         return out_leaves, grad_leaves
 
     def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
-        module = stage.module
-        if module in self.loss_stages:
-            step.outputs.pop((module, k), None)
-            loss = step.losses.pop((module, k))
+        unit = (*stage.unit, k)
+        if stage.unit in self.loss_stages:
+            step.outputs.pop(unit, None)
+            loss = step.losses.pop(unit)
             stage.backward([loss] if loss.requires_grad else [], [None])
         else:
-            stage.backward(*_with_grads(*self._output_grads(step, module, k)))
-        self._collect_input_grads(step, module, k)
-        self._release(step, module, k)
+            stage.backward(*_with_grads(*self._output_grads(step, unit)))
+        self._collect_input_grads(step, unit)
+        self._release(step, unit)
 
     def _backward_input(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
-        module = stage.module
-        pieces = step.pieces[(module, k)]
-        if module in self.loss_stages:
-            step.outputs.pop((module, k), None)
-            grads = _loss_grads(step.losses.pop((module, k)), pieces[-1].outputs)
+        unit = (*stage.unit, k)
+        pieces = step.pieces[unit]
+        if stage.unit in self.loss_stages:
+            step.outputs.pop(unit, None)
+            grads = _loss_grads(step.losses.pop(unit), pieces[-1].outputs)
         else:
-            _, grads = self._output_grads(step, module, k)
+            _, grads = self._output_grads(step, unit)
         received = [
-            t for src, payload in step.received.get((module, k), {}).items() if src not in self.no_backward_modules
+            t for src, payload in step.received.get(unit, {}).items() if src not in self.no_backward_modules
             for t in tree_flatten(payload)[0] if isinstance(t, Tensor) and t.requires_grad
         ]
         kept = stage.backward_input(pieces, grads, received)
-        self._collect_input_grads(step, module, k)
-        self._set_stash_bytes(step, (module, k), kept)
+        self._collect_input_grads(step, unit)
+        self._set_stash_bytes(step, unit, kept)
 
     def _backward_weight(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
-        stage.backward_weight(step.pieces.pop((stage.module, k)))
-        self._release(step, stage.module, k)
+        unit = (*stage.unit, k)
+        stage.backward_weight(step.pieces.pop(unit))
+        self._release(step, unit)
 
-    def _collect_input_grads(self, step: "_StepState", module: str, k: int) -> None:
+    def _collect_input_grads(self, step: "_StepState", unit: "_Unit") -> None:
         """Take the gradients of the received inputs, to send to the producers that want them."""
-        inputs = step.received.pop((module, k), {})
+        inputs = step.received.pop(unit, {})
         grads = {src: _grad_payload(p) for src, p in inputs.items() if src not in self.no_backward_modules}
         if grads:
-            step.in_grads[(module, k)] = grads
+            step.in_grads[unit] = grads
 
-    def _set_stash_bytes(self, step: "_StepState", key: tuple[str, int], held: Any) -> None:
-        step.stash_bytes[key] = _payload_bytes(held)
+    def _set_stash_bytes(self, step: "_StepState", unit: "_Unit", held: Any) -> None:
+        step.stash_bytes[unit] = _payload_bytes(held)
         step.result.peak_stashed_bytes = max(step.result.peak_stashed_bytes, sum(step.stash_bytes.values()))
 
-    def _release(self, step: "_StepState", module: str, k: int) -> None:
-        """The last backward piece of ``(module, k)`` ran: it holds nothing any more."""
+    def _release(self, step: "_StepState", unit: "_Unit") -> None:
+        """The last backward piece of ``(module, chunk, k)`` ran: it holds nothing any more."""
         step.stashed -= 1
-        step.stash_bytes.pop((module, k), None)
+        step.stash_bytes.pop(unit, None)
 
     def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
         sends: dict[MessageKey, Any] = {}
@@ -585,18 +594,18 @@ class PipelineRuntime:
             if key in sends:
                 continue
             if key.direction is Direction.FORWARD:
-                sends[key] = step.outputs[(key.src_module, key.microbatch)]
+                sends[key] = step.outputs[(*key.producer, key.microbatch)]
             else:
-                sends[key] = step.in_grads[(key.dst_module, key.microbatch)][key.src_module]
+                sends[key] = step.in_grads[(*key.consumer, key.microbatch)][key.src_module]
         for key in sends:
             if key.direction is Direction.FORWARD and (not step.training or key.src_module in self.no_backward_modules):
                 # not stashed for a backward: an output is dropped once its consumers have it
-                step.outputs.pop((key.src_module, key.microbatch), None)
+                step.outputs.pop((*key.producer, key.microbatch), None)
             elif key.direction is Direction.BACKWARD:
-                pending = step.in_grads[(key.dst_module, key.microbatch)]
+                pending = step.in_grads[(*key.consumer, key.microbatch)]
                 pending.pop(key.src_module, None)
                 if not pending:
-                    del step.in_grads[(key.dst_module, key.microbatch)]
+                    del step.in_grads[(*key.consumer, key.microbatch)]
         return sends
 
     def _accumulate(
@@ -611,11 +620,14 @@ class PipelineRuntime:
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
 
 
-def _consumer(key: MessageKey) -> tuple[str, int, Direction]:
-    """The compute that needs a received message: the forward of its destination module, or
-    the backward of its source module (the gradient of that module's output)."""
-    module = key.dst_module if key.direction is Direction.FORWARD else key.src_module
-    return (module, key.microbatch, key.direction)
+def _consumer(key: MessageKey) -> tuple[str, int, int, Direction]:
+    """The compute that needs a received message, ``(module, chunk, k, direction)``: the forward
+    of its destination stage, or the backward of its source stage (the gradient of its output)."""
+    module, chunk = key.consumer if key.direction is Direction.FORWARD else key.producer
+    return (module, chunk, key.microbatch, key.direction)
+
+
+_Unit = tuple[str, int, int]  # (module, chunk, microbatch): one microbatch on one of the rank's stages
 
 
 @dataclass
@@ -627,16 +639,17 @@ class _StepState:
     shard: Callable[[str, int], Any]
     keep_sink_outputs: bool
     compute_loss: bool
-    split: set[str]  # modules whose backward runs as I then W in this schedule
+    split: set[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W in this schedule
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
-    stash_bytes: dict[tuple[str, int], int] = field(default_factory=dict)           # (module, k) -> bytes held
-    received: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (dst, k) -> {src: payload}
-    outputs: dict[tuple[str, int], Any] = field(default_factory=dict)               # (module, k) -> output
-    losses: dict[tuple[str, int], Tensor] = field(default_factory=dict)             # (sink, k) -> scaled loss
-    out_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (module, k) -> {consumer: grad}
-    in_grads: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)   # (module, k) -> {producer: grad}
-    # receives posted and not taken yet: (consumer module, k, direction) -> {key: peer}
-    posted: dict[tuple[str, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
+    # every key below names one microbatch on one stage: (module, chunk, k)
+    stash_bytes: dict[_Unit, int] = field(default_factory=dict)           # -> bytes held
+    received: dict[_Unit, dict[str, Any]] = field(default_factory=dict)   # (dst, chunk, k) -> {src: payload}
+    outputs: dict[_Unit, Any] = field(default_factory=dict)               # -> output
+    losses: dict[_Unit, Tensor] = field(default_factory=dict)             # (sink, chunk, k) -> scaled loss
+    out_grads: dict[_Unit, dict[str, Any]] = field(default_factory=dict)  # -> {consumer: grad}
+    in_grads: dict[_Unit, dict[str, Any]] = field(default_factory=dict)   # -> {producer: grad}
+    # receives posted and not taken yet: (consumer module, chunk, k, direction) -> {key: peer}
+    posted: dict[tuple[str, int, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
     posted_ns: dict[MessageKey, int] = field(default_factory=dict)  # when each receive was posted (tracing)
-    pieces: dict[tuple[str, int], list[_LayerPiece]] = field(default_factory=dict)  # (module, k) -> split graph
+    pieces: dict[_Unit, list[_LayerPiece]] = field(default_factory=dict)  # -> split graph

@@ -25,32 +25,29 @@ from lightning_mmpp.core.placement import PipelineLayout
 __all__ = ["owner_ranks", "sum_tied_gradients", "tie_groups", "counts_in_norm"]
 
 
+def _holds(layout: PipelineLayout, rank: int, module: str, stage: int, replica: int | None = None) -> bool:
+    """Whether ``rank`` holds ``stage`` of ``module`` (as any of its chunks), of ``replica`` if given."""
+    return any(s.stage == stage and (replica is None or s.replica == replica)
+               for s in layout.chunk_slots(rank, module))
+
+
 def owner_ranks(layout: PipelineLayout, tie: TiedParameter) -> tuple[int, ...]:
-    """Every rank holding a copy (all dp replicas of every owner stage)."""
-    ranks = set()
-    for rank in range(layout.world_size):
-        for module, stage in tie.owners:
-            slot = layout.slot(rank, module)
-            if slot is not None and slot.stage == stage:
-                ranks.add(rank)
-    return tuple(sorted(ranks))
+    """Every rank holding a copy (all dp replicas of every owner stage; two owner chunks on one
+    rank share one copy)."""
+    return tuple(rank for rank in range(layout.world_size)
+                 if any(_holds(layout, rank, module, stage) for module, stage in tie.owners))
 
 
 def _contributes(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
     """Whether this rank's copy enters the sum: it is replica 0 of an owner stage it holds."""
-    for module, stage in tie.owners:
-        slot = layout.slot(rank, module)
-        if slot is not None and slot.stage == stage and slot.replica == 0:
-            return True
-    return False
+    return any(_holds(layout, rank, module, stage, replica=0) for module, stage in tie.owners)
 
 
 def counts_in_norm(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
     """Whether this rank counts the tied parameter in the global gradient norm: replica 0 of
     its first owner stage only, so the parameter counts once, as in one process."""
     module, stage = tie.owners[0]
-    slot = layout.slot(rank, module)
-    return slot is not None and slot.stage == stage and slot.replica == 0
+    return _holds(layout, rank, module, stage, replica=0)
 
 
 def tie_groups(layout: PipelineLayout, tied: Sequence[TiedParameter], timeout: timedelta) -> dict[tuple[int, ...], Any]:

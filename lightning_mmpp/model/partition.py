@@ -14,7 +14,8 @@ from lightning_mmpp.core.placement import PipelineLayout
 
 
 def stage_ranges(layers: Sequence[nn.Module], pp: int, split_points: Sequence[int] | None, module: str) -> list[range]:
-    """Layer index ranges of the ``pp`` stages of ``module``."""
+    """Layer index ranges of the ``pp`` stages of ``module`` (give ``pp * virtual_stages`` for a
+    module with virtual stages: one range per chunk)."""
     n = len(layers)
     if n < pp:
         raise PipelineConfigError(
@@ -77,12 +78,23 @@ class TiedParameter:
 
 @dataclass
 class Partition:
-    """What a rank keeps: one runner per module it holds, and the ids of its parameters."""
+    """What a rank keeps: one runner per module it holds, and the ids of its parameters.
+
+    ``runners[module]`` holds every layer of the module this rank owns (what dp sync, sharding,
+    tied weights, optimizers and checkpoints see: one rank position of the module);
+    ``chunks[(module, chunk)]`` holds the layers of each of its stages, the units the runtime
+    computes. Without virtual stages a module has one chunk, the same runner.
+    """
 
     runners: dict[str, StageRunner]
     owned_parameter_ids: set[int]
     frozen_modules: frozenset[str]  # modules none of whose parameters (on any rank) require grad
     tied: list[TiedParameter] = field(default_factory=list)  # shared across stages or modules
+    chunks: dict[tuple[str, int], StageRunner] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            self.chunks = {(module, 0): runner for module, runner in self.runners.items()}
 
 
 def find_tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[TiedParameter]:
@@ -91,7 +103,7 @@ def find_tied_parameters(model: nn.Module, layout: PipelineLayout) -> list[TiedP
     for module in layout.modules:
         placement = layout.placements[module]
         names, layers = named_layers(_layer_container(model, module, placement.pp))
-        for stage, span in enumerate(stage_ranges(layers, placement.pp, placement.split_points, module)):
+        for stage, span in enumerate(stage_ranges(layers, placement.num_stages, placement.split_points, module)):
             for i in span:
                 stage_of_layer[(module, names[i])] = stage
     found: dict[int, TiedParameter] = {}
@@ -144,8 +156,8 @@ def check_model(model: nn.Module, layout: PipelineLayout) -> None:
     for module in layout.modules:
         container = _layer_container(model, module, layout.placements[module].pp)
         inside.update(id(p) for p in container.parameters())
-        stage_ranges(named_layers(container)[1], layout.placements[module].pp, layout.placements[module].split_points,
-                     module)
+        stage_ranges(named_layers(container)[1], layout.placements[module].num_stages,
+                     layout.placements[module].split_points, module)
     outside = [name for name, p in model.named_parameters() if id(p) not in inside]
     if outside:
         raise PipelineConfigError(
@@ -162,10 +174,12 @@ def check_model(model: nn.Module, layout: PipelineLayout) -> None:
 
 
 def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Partition:
-    """Keep only the layers ``rank`` owns, in place, under their original names."""
+    """Keep only the layers ``rank`` owns, in place, under their original names: every chunk
+    (stage) of every module it holds."""
     check_model(model, layout)
     tied = find_tied_parameters(model, layout)
     runners: dict[str, StageRunner] = {}
+    chunks: dict[tuple[str, int], StageRunner] = {}
     owned: set[int] = set()
     frozen: set[str] = set()
     for module in layout.modules:
@@ -174,9 +188,9 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
         names, layers = named_layers(container)
         if not any(p.requires_grad for p in container.parameters()):
             frozen.add(module)
-        ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
-        slot = layout.slot(rank, module)
-        keep = ranges[slot.stage] if slot is not None else range(0)
+        ranges = stage_ranges(layers, placement.num_stages, placement.split_points, module)
+        slots = layout.chunk_slots(rank, module)
+        keep = sorted(i for slot in slots for i in ranges[slot.stage])
         if names == [""]:  # a plain module is one layer: a rank that does not hold it keeps none of it
             if not keep:
                 model._modules[module] = nn.Sequential()
@@ -184,12 +198,19 @@ def partition_model(model: nn.Module, layout: PipelineLayout, rank: int) -> Part
             for i, name in enumerate(names):
                 if i not in keep:
                     del container._modules[name]
-        if slot is not None:
-            runner = StageRunner(module, slot.stage, [layers[i] for i in keep], [names[i] for i in keep],
-                                 keep[0] if keep else 0)
+        for slot in slots:
+            span = ranges[slot.stage]
+            chunks[(module, slot.chunk)] = StageRunner(
+                module, slot.stage, [layers[i] for i in span], [names[i] for i in span], span[0] if span else 0
+            )
+        if slots:
+            first = chunks[(module, 0)]
+            runner = (first if len(slots) == 1 else
+                      StageRunner(module, first.stage, [layers[i] for i in keep], [names[i] for i in keep], keep[0]))
             runners[module] = runner
             owned.update(id(p) for p in runner.parameters())
     held = {id(p): p for runner in runners.values() for p in runner.parameters()}
     for tie in tied:
         tie.local = held.get(id(getattr(tie.first_owner, tie.attribute)))
-    return Partition(runners=runners, owned_parameter_ids=owned, frozen_modules=frozenset(frozen), tied=tied)
+    return Partition(runners=runners, owned_parameter_ids=owned, frozen_modules=frozenset(frozen), tied=tied,
+                     chunks=chunks)

@@ -252,7 +252,10 @@ def _order_keys(model: nn.Module, layout: PipelineLayout, rank: int, names: Sequ
     """A key per name that sorts names of all ranks into the unpartitioned model's order.
 
     The model's own entries come first, then its child modules in attribute order; inside a
-    pipelined module stage s precedes stage s+1 and a rank lists its own stage in order.
+    pipelined module stage s precedes stage s+1 and a rank lists its own stage in order. A rank
+    holding several chunks of a module (virtual stages) holds stages that are not adjacent: its
+    layers are ordered by their index in the module (the name of a Sequential's or a
+    ModuleList's layer), which interleaves them with the other ranks' chunks.
     """
     children = {name: i for i, name in enumerate(model._modules)}
     keys: dict[str, tuple] = {}
@@ -261,7 +264,11 @@ def _order_keys(model: nn.Module, layout: PipelineLayout, rank: int, names: Sequ
         top = name.split(".", 1)[0]
         child = children.get(top, -1) if "." in name else -1
         slot = layout.slot(rank, top) if top in layout.placements else None
-        group = (child, slot.stage if slot is not None else 0)
+        layer = name.split(".")[1] if name.count(".") >= 2 else ""
+        if slot is not None and layout.placements[top].virtual_stages > 1 and layer.isdigit():
+            group = (child, int(layer))
+        else:
+            group = (child, slot.stage if slot is not None else 0)
         position[group] = position.get(group, -1) + 1
         keys[name] = (*group, position[group])
     return keys
@@ -409,7 +416,7 @@ def _meta(
         "placements": {
             m: {"pp": p.pp, "dp": p.dp, "rank_offset": layout.offsets[m],
                 "split_points": list(p.split_points) if p.split_points is not None else None,
-                "shard": p.shard, "recompute": p.recompute}
+                "shard": p.shard, "recompute": p.recompute, "virtual_stages": p.virtual_stages}
             for m, p in layout.placements.items()
         },
         "topology": {m: list(layout.topology.downstream(m)) for m in layout.modules},
