@@ -71,3 +71,22 @@ def test_partition_keeps_every_chunk_of_a_rank(v_shape):
             for name in c.layer_names:
                 torch.testing.assert_close(dict(model.llm.named_children())[name].state_dict(),
                                            dict(whole.llm.named_children())[name].state_dict())
+
+
+def test_strategy_and_summary_show_chunks():
+    """``print(strategy)``, the placements table and the pipeline summary name each rank's chunks."""
+    from lightning_mmpp.model.summary import pipeline_summary
+
+    placements = {"enc_a": P(), "llm": P(pp=2, virtual_stages=2)}
+    strategy = MultiModulePipelineStrategy(placements, ONE_ENC, 4, schedule="zbv")
+    rows = [line.split() for line in str(strategy).splitlines()[1:]]
+    assert rows[0] == ["rank", "module", "stage", "chunk", "replica", "global-stage"]
+    assert [r[:4] for r in rows[1:]] == [["0", "enc_a", "0/1", "0/1"], ["1", "llm", "0/4", "0/2"],
+                                         ["1", "llm", "3/4", "1/2"], ["2", "llm", "1/4", "0/2"],
+                                         ["2", "llm", "2/4", "1/2"]]
+    unconnected = str(MultiModulePipelineStrategy(placements, None, 4)).splitlines()
+    assert unconnected[1].split()[-1] == "chunks/rank" and unconnected[3].split()[-1] == "2"
+    summary = [line.split() for line in pipeline_summary(MultiModalModel(ONE_ENC), strategy.layout).splitlines()]
+    assert summary[0][:4] == ["module", "stage", "chunk", "ranks"]
+    assert [r[:4] for r in summary[2:6]] == [["llm", "0/4", "0/2", "1"], ["llm", "1/4", "0/2", "2"],
+                                             ["llm", "2/4", "1/2", "2"], ["llm", "3/4", "1/2", "1"]]

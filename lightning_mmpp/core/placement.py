@@ -545,7 +545,8 @@ class PipelineLayout:
         """
         numbering = Numbering.parse(numbering)
         with_tp = self.max_tp > 1
-        rows = [("rank", "module", "stage", "replica") + (("tp",) if with_tp else ()) + ("global-stage",)]
+        rows = [("rank", "module", "stage") + (("chunk",) if self.virtual else ()) + ("replica",)
+                + (("tp",) if with_tp else ()) + ("global-stage",)]
         for rank in range(self.world_size):
             for slot in self._slots[rank]:
                 p = self.placements[slot.module]
@@ -553,6 +554,7 @@ class PipelineLayout:
                     str(rank),
                     slot.module,
                     f"{slot.stage}/{p.num_stages}",
+                    *((f"{slot.chunk}/{p.virtual_stages}",) if self.virtual else ()),
                     f"{slot.replica}/{p.dp}",
                     *((f"{slot.tp_index}/{p.tp}",) if with_tp else ()),
                     str(self.stage_index(slot.module, slot.stage, numbering)),
@@ -610,13 +612,14 @@ def placements_world_size(placements: Mapping[str, ModulePlacement]) -> int:
 
 
 def placements_table(placements: Mapping[str, ModulePlacement]) -> str:
-    """One line per module: its ranks, pp and dp, and tp when a module has tp > 1 (what is known
-    before the topology)."""
+    """One line per module: its ranks, pp and dp, tp when a module has tp > 1 and the chunks per
+    rank when a module has virtual stages (what is known before the topology)."""
     offsets = assign_offsets(placements)
     with_tp = any(p.tp > 1 for p in placements.values())
-    rows = [("module", "ranks", "pp", "dp") + (("tp",) if with_tp else ())]
+    virtual = any(p.virtual_stages > 1 for p in placements.values())
+    rows = [("module", "ranks", "pp", "dp") + (("tp",) if with_tp else ()) + (("chunks/rank",) if virtual else ())]
     for module, p in placements.items():
         rows.append((module, f"{offsets[module]}-{offsets[module] + p.size - 1}", str(p.pp), str(p.dp))
-                    + ((str(p.tp),) if with_tp else ()))
+                    + ((str(p.tp),) if with_tp else ()) + ((str(p.virtual_stages),) if virtual else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

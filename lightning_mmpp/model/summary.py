@@ -2,7 +2,7 @@
 
 Lightning's model summary runs on rank 0, which after partitioning holds only its own stages.
 :func:`pipeline_summary` describes the whole pipeline instead, one row per (module, stage):
-its ranks (one per dp replica, times tp), its layers, trainable and frozen parameters and the bytes of
+its ranks (one per dp replica, times tp), under virtual stages which of its ranks' chunks it is, its layers, trainable and frozen parameters and the bytes of
 parameters each of those ranks holds; then the parameter bytes of every rank. It needs no
 communication: every rank computes the same split from the model before partitioning (meta
 tensors count too, so a model built on the meta device is summarised before it exists).
@@ -41,14 +41,15 @@ def _span(names: Sequence[str]) -> str:
 def pipeline_summary(model: nn.Module, layout: PipelineLayout) -> str:
     """A table of the pipeline (see the module docstring); call it before partitioning."""
     with_tp = layout.max_tp > 1
-    rows = [("module", "stage", "ranks") + (("tp",) if with_tp else ()) + ("layers", "trainable", "frozen",
+    rows = [("module", "stage") + (("chunk",) if layout.virtual else ()) + ("ranks",) + (("tp",) if with_tp else ())
+            + ("layers", "trainable", "frozen",
             "param bytes/rank" + (" (before tp splits)" if with_tp else ""))]
     per_rank = [0] * layout.world_size
     for module in layout.modules:
         placement = layout.placements[module]
         names, layers = named_layers(getattr(model, module))
         names = [name or "(whole module)" for name in names]
-        ranges = stage_ranges(layers, placement.pp, placement.split_points, module)
+        ranges = stage_ranges(layers, placement.num_stages, placement.split_points, module)
         for stage, span in enumerate(ranges):
             params = {id(p): p for i in span for p in layers[i].parameters()}.values()
             trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -58,7 +59,9 @@ def pipeline_summary(model: nn.Module, layout: PipelineLayout) -> str:
             for rank in ranks:
                 per_rank[rank] += nbytes
             rows.append((
-                module, f"{stage}/{placement.pp}", ",".join(map(str, ranks)),
+                module, f"{stage}/{placement.num_stages}",
+                *((f"{layout.chunk_of(module, stage)}/{placement.virtual_stages}",) if layout.virtual else ()),
+                ",".join(map(str, ranks)),
                 *((str(placement.tp),) if with_tp else ()), _span([names[i] for i in span]),
                 _count(trainable), _count(frozen), _bytes(nbytes),
             ))
