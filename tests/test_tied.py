@@ -179,3 +179,75 @@ def test_tied_weights_resume_and_export(tmp_path):
     two_steps = TiedModel(ONE_ENC, optimizer="adam")
     L.Trainer(**{**_kwargs(1), "max_steps": 2}).fit(two_steps, make_loader(ONE_ENC, 8, 16))
     torch.testing.assert_close(loaded.llm[0].emb.weight, two_steps.llm[0].emb.weight, rtol=1e-5, atol=1e-6)
+
+
+# --- sharded tied copies: a tied-embedding LM with a per-token loss, FSDP2 on pp=2 x dp=2 ---------------
+
+SHARDED_TIED = {"enc_a": P(), "llm": P(pp=2, dp=2, shard=True)}
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a sharded one gathered over its dp group: a collective, same order on
+    every replica)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _token_tied_fit(schedule=None, placements=None, devices=1, recompute=False, reduction="step"):
+    from tests.test_token_loss import TokenModel, _loader
+
+    class TiedTokenModel(TokenModel):
+        def __init__(self, topology, **kwargs):
+            super().__init__(topology, **kwargs)
+            _tie(self)
+
+    L.seed_everything(11, verbose=False)
+    model = TiedTokenModel(ONE_ENC, optimizer="adam")
+    kwargs = _kwargs(devices, clip=0.05)
+    if placements is not None:
+        if recompute:
+            placements = {**placements, "llm": P(pp=2, dp=2, shard=True, recompute=True)}
+        kwargs["strategy"] = MultiModulePipelineStrategy(placements, ONE_ENC, num_microbatches=2, schedule=schedule,
+                                                         sharded_grad_reduction=reduction)
+    initial, final = {}, {}
+
+    class Record(L.Callback):  # while the engine's groups exist (they go at the end of fit)
+        def on_train_start(self, trainer, pl_module):
+            initial.update(_full_params(pl_module))
+
+        def on_train_end(self, trainer, pl_module):
+            final.update(_full_params(pl_module))
+
+    L.Trainer(**kwargs, callbacks=[Record()]).fit(model, _loader(8 * STEPS, 0))
+    return initial, final
+
+
+def _sharded_tied_runs(rank, world):
+    runs = {}
+    for name, schedule, recompute, reduction in (("1f1b", "1f1b", False, "step"),
+                                                 ("zero_bubble", "zero_bubble", False, "microbatch"),
+                                                 ("zero_bubble+recompute", "zero_bubble", True, "step")):
+        runs[name] = _token_tied_fit(schedule, SHARDED_TIED, world, recompute, reduction)
+    return runs
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_sharded_tied_embedding_lm_with_per_token_loss_trains_like_one_process():
+    """Both tied copies sharded (FSDP2, dp=2 on each LM stage), their shard gradients summed per
+    replica; Adam + clipping; 1f1b, zero_bubble (per-microbatch reduce-scatter) and zero_bubble +
+    recompute against one process. Parameters within 1e-5 relative to their norm: Adam turns the
+    last-bit differences of another summation order (reduce-scatter, the global norm, the token
+    division) into ~1e-5 absolute changes of near-zero elements, so an element-wise rtol is not the
+    measure here."""
+    initial, final = _token_tied_fit()
+    per_rank = run_distributed(_sharded_tied_runs, 5, timeout=380, init_pg=False)
+    for rank, runs in enumerate(per_rank):
+        for run, (start, end) in runs.items():
+            for name, value in start.items():
+                assert torch.equal(value, initial[name]), f"{run}: initial {name} on rank {rank}"
+                error = float((end[name] - final[name]).norm() / final[name].norm())
+                assert error <= 1e-5, f"{run}: {name} on rank {rank}: relative error {error:.2e}"
+    for run in per_rank[0]:
+        ends = [runs[run][1][n] for runs in per_rank for n in TIED if n in runs[run][1]]
+        assert len(ends) == 4 and all(torch.equal(ends[0], e) for e in ends), run

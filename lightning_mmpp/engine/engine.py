@@ -50,13 +50,13 @@ from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
 from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
 from lightning_mmpp.engine.sharding import (
-    apply_memory_options, check_grad_reduction, dp_mesh, is_fsdp_unit, mixed_precision_policy,
+    apply_memory_options, check_grad_reduction, dp_mesh, is_fsdp_unit, is_sharded, mixed_precision_policy,
     replace_optimizer_parameters, shard_layer,
 )
 from lightning_mmpp.engine.tensor_parallel import (
     StageMeshes, TensorParallelRelay, agree_on_errors, apply_tensor_parallel, check_tensor_parallel,
 )
-from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_tied_gradients, tie_groups
+from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_groups, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction
@@ -375,9 +375,11 @@ class PipelineEngine:
                     for tensor in [*layer.parameters(), *layer.buffers()]:
                         dist.broadcast(tensor, src=ranks[0], group=self.dp_groups[ranks])
         for tie in self.partition.tied:
-            ranks = owner_ranks(self.layout, tie)
-            if ranks in self.tie_groups and tie.local is not None:
-                dist.broadcast(tie.local, src=ranks[0], group=self.tie_groups[ranks])
+            if tie.local is not None and is_sharded(tie.local):
+                continue  # sharded while built: every copy built the same rows
+            for group in sum_groups(self.layout, tie):  # all owners, or (sharded later) one set per replica
+                if self.rank in group and group in self.tie_groups:
+                    dist.broadcast(tie.local, src=group[0], group=self.tie_groups[group])
 
     def _broadcast_seed(self) -> int:
         """Rank 0's ``torch.initial_seed()`` (``seed_everything``'s seed), the same on every rank."""

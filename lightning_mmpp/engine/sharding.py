@@ -239,13 +239,7 @@ def apply_memory_options(
     before the optimizer's first step; optimizers are pointed at the sharded parameters.
     ``mesh_of(module, stage)`` is the mesh to shard over (a tp stage's dp dimension of its 2-D mesh).
     """
-    tied_modules = sorted({module for tie in tied for module, _ in tie.owners if layout.placements[module].shard})
-    if tied_modules:
-        raise PipelineConfigError(
-            f"modules {tied_modules} have shard=True and a parameter tied across stages or modules; a tied "
-            "parameter keeps one full copy per owning stage, which FSDP2 cannot shard. Untie it (separate "
-            "parameters) or set shard=False on those modules."
-        )
+    check_sharded_ties(layout, tied)
     sharded: dict[str, ShardedStage] = {}
     replaced: dict[int, nn.Parameter] = {}
     policy = mixed_precision_policy(precision)
@@ -259,4 +253,33 @@ def apply_memory_options(
             replaced.update(new)
     if replaced:
         replace_optimizer_parameters(optimizers, replaced)
+        for tie in tied:  # a tied copy sharded here: the tie now names the sharded parameter
+            if tie.local is not None and id(tie.local) in replaced:
+                tie.local = replaced[id(tie.local)]
     return sharded
+
+
+def check_sharded_ties(layout: Any, tied: Sequence[Any]) -> None:
+    """A parameter tied across stages with a sharded owner: every owner must be sharded with the
+    same ``dp`` (replica r of each owner holds the same rows, so the copies' shards are summed
+    row for row), on ranks of its own, without tensor parallelism. Raised on every rank alike."""
+    for tie in tied:
+        placements = {module: layout.placements[module] for module, _ in tie.owners}
+        if not any(p.shard for p in placements.values()):
+            continue
+        dps = {p.dp for p in placements.values()}
+        if not all(p.shard for p in placements.values()) or len(dps) > 1 or any(p.tp > 1 for p in placements.values()):
+            raise PipelineConfigError(
+                f"parameter {tie.names[0]!r} is tied across {sorted(placements)} with shard="
+                f"{ {m: p.shard for m, p in placements.items()} } and dp={ {m: p.dp for m, p in placements.items()} }; "
+                "a tied parameter is sharded only when every owning module has shard=True, the same dp and tp=1. "
+                "Make them agree, or untie the parameter."
+            )
+        owner_ranks = [rank for rank in range(layout.world_size) for module, stage in tie.owners
+                       for slot in layout.chunk_slots(rank, module) if slot.stage == stage]
+        if len(owner_ranks) != len(set(owner_ranks)):
+            raise PipelineConfigError(
+                f"parameter {tie.names[0]!r} is tied across stages {tie.owners} that share ranks, and shard=True: "
+                "FSDP2 cannot shard one parameter in two units. Place the owning stages on different ranks, or "
+                "set shard=False."
+            )

@@ -22,7 +22,25 @@ import torch.distributed as dist
 from lightning_mmpp.model.partition import TiedParameter
 from lightning_mmpp.core.placement import PipelineLayout
 
-__all__ = ["owner_ranks", "sum_tied_gradients", "tie_groups", "counts_in_norm"]
+__all__ = ["owner_ranks", "sum_groups", "sum_tied_gradients", "tie_groups", "counts_in_norm"]
+
+
+def _sharded(layout: PipelineLayout, tie: TiedParameter) -> bool:
+    return layout.placements[tie.owners[0][0]].shard
+
+
+def sum_groups(layout: PipelineLayout, tie: TiedParameter) -> list[tuple[int, ...]]:
+    """The rank sets whose copies are summed: all owner ranks, or for sharded copies one set per
+    replica index (the ranks holding the same rows)."""
+    if not _sharded(layout, tie):
+        return [owner_ranks(layout, tie)]
+    by_replica: dict[int, set[int]] = {}
+    for rank in range(layout.world_size):
+        for module, stage in tie.owners:
+            for slot in layout.chunk_slots(rank, module):
+                if slot.stage == stage:
+                    by_replica.setdefault(slot.replica, set()).add(rank)
+    return [tuple(sorted(by_replica[r])) for r in sorted(by_replica)]
 
 
 def _holds(layout: PipelineLayout, rank: int, module: str, stage: int, replica: int | None = None) -> bool:
@@ -39,15 +57,19 @@ def owner_ranks(layout: PipelineLayout, tie: TiedParameter) -> tuple[int, ...]:
 
 
 def _contributes(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
-    """Whether this rank's copy enters the sum: it is replica 0 of an owner stage it holds."""
+    """Whether this rank's copy enters the sum: it is replica 0 of an owner stage it holds (every
+    sharded copy: its group holds one copy of those rows per owner)."""
+    if _sharded(layout, tie):
+        return True
     return any(_holds(layout, rank, module, stage, replica=0) for module, stage in tie.owners)
 
 
 def counts_in_norm(layout: PipelineLayout, tie: TiedParameter, rank: int) -> bool:
     """Whether this rank counts the tied parameter in the global gradient norm: replica 0 of
-    its first owner stage only, so the parameter counts once, as in one process."""
+    its first owner stage only (every replica of it for sharded copies: each its rows), so the
+    parameter counts once, as in one process."""
     module, stage = tie.owners[0]
-    return _holds(layout, rank, module, stage, replica=0)
+    return _holds(layout, rank, module, stage, replica=None if _sharded(layout, tie) else 0)
 
 
 def tie_groups(layout: PipelineLayout, tied: Sequence[TiedParameter], timeout: timedelta) -> dict[tuple[int, ...], Any]:
@@ -57,9 +79,9 @@ def tie_groups(layout: PipelineLayout, tied: Sequence[TiedParameter], timeout: t
     """
     groups: dict[tuple[int, ...], Any] = {}
     for tie in tied:
-        ranks = owner_ranks(layout, tie)
-        if tie.requires_grad and len(ranks) > 1 and ranks not in groups:
-            groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+        for ranks in sum_groups(layout, tie):
+            if tie.requires_grad and len(ranks) > 1 and ranks not in groups:
+                groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
     return groups
 
 
@@ -68,14 +90,15 @@ def sum_tied_gradients(
 ) -> None:
     """Give every copy of every tied parameter the sum of its owners' gradients."""
     for tie in tied:
-        ranks = owner_ranks(layout, tie)
-        if tie.local is None or not tie.requires_grad or len(ranks) < 2:
+        if tie.local is None or not tie.requires_grad:
+            continue
+        ranks = next((r for r in sum_groups(layout, tie) if rank in r), ())
+        if len(ranks) < 2:
             continue
         param = tie.local
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # a shard's rows
         buffer = grad.clone() if _contributes(layout, tie, rank) else torch.zeros_like(grad)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=groups[ranks])
-        if param.grad is None:
-            param.grad = buffer
-        else:
-            param.grad.copy_(buffer)
+        grad.copy_(buffer)
