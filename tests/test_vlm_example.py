@@ -59,6 +59,19 @@ def _pipelined(rank, world, paths):
     return out
 
 
+def _assert_params_match(per_rank, expected) -> None:
+    """Every rank's parameters against one process's; together the ranks hold all of them."""
+    seen = set()
+    for result in per_rank:
+        for name, value in result["params"].items():
+            # AdamW: a near-zero gradient's rounding can move one element by ~1e-5; a wrong gradient
+            # moves whole tensors by lr = 3e-3 per step
+            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(expected)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.distributed
 def test_vlm_example_matches_one_process(tmp_path):
@@ -80,16 +93,9 @@ def test_vlm_example_matches_one_process(tmp_path):
         assert torch.equal(p, frozen_before[n]), f"frozen encoder changed: {n}"
 
     per_rank = run_distributed(_pipelined, 3, paths, timeout=280, init_pg=False)
-    seen = set()
+    _assert_params_match(per_rank, expected)
     for result in per_rank:
-        for name, value in result["params"].items():
-            # AdamW: a near-zero gradient's rounding can move one element by ~1e-5; a wrong gradient
-            # moves whole tensors by lr = 3e-3 per step
-            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-4,
-                                       msg=lambda m, name=name: f"{name}: {m}")
-            seen.add(name)
         assert all(math.isfinite(x) for x in result["bf16_losses"]) and len(result["bf16_losses"]) == 2
-    assert seen == set(expected)
     tied = ("llm.0.embed_tokens.weight", f"llm.{SIZE['layers'] + 1}.lm_head.weight")
     copies = [r["params"][n] for r in per_rank for n in tied if n in r["params"]]
     assert len(copies) == 2 and torch.equal(copies[0], copies[1])  # first and last stage, equal
@@ -135,10 +141,4 @@ def test_vlm_example_with_tp2_matches_one_process(tmp_path):
     expected = _params(reference)
     per_rank = run_distributed(_pipelined_tp, 5, paths, timeout=280, init_pg=False)
     assert "llm.1.layer.self_attn.q_proj.weight" in per_rank[1]["split"] and "proj.0.weight" in per_rank[1]["split"]
-    seen = set()
-    for result in per_rank:
-        for name, value in result["params"].items():
-            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-4,
-                                       msg=lambda m, name=name: f"{name}: {m}")
-            seen.add(name)
-    assert seen == set(expected)
+    _assert_params_match(per_rank, expected)
