@@ -436,3 +436,55 @@ def test_a_tied_parameter_is_stored_once_and_resumes_anywhere(tmp_path):
     resumed = {n: v for r in run_distributed(_resume_tied, 2, str(ckpt), timeout=120, init_pg=False)
                for n, v in r.items()}
     _assert_close(resumed, expected, "resume on another placement")
+
+
+SHARDED_TIED_LAYOUT = {"enc_a": P(), "llm": P(pp=2, dp=2, shard=True)}  # both tied copies FSDP2-sharded
+
+
+def _zero_bubble_trainer(layout, epochs: int, callbacks=()) -> L.Trainer:
+    strategy = MultiModulePipelineStrategy(layout, TOPOLOGY, num_microbatches=2, schedule="zero_bubble")
+    return L.Trainer(
+        accelerator="cpu", devices=strategy.layout.world_size, strategy=strategy, max_epochs=epochs, logger=False,
+        callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+
+
+def _save_sharded_tied(rank, world, root: str) -> str:
+    saver = ModelCheckpoint(dirpath=root, filename="sharded_tied")
+    _zero_bubble_trainer(SHARDED_TIED_LAYOUT, 1, [saver]).fit(_tied_model(), _loader())
+    return saver.best_model_path
+
+
+def _resume_sharded_tied(rank, world, ckpt: str) -> dict:
+    final: dict = {}
+
+    class Gather(L.Callback):  # whole tensors while the dp groups exist
+        def on_train_end(self, trainer, pl_module):
+            final.update({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                          for n, p in pl_module.named_parameters(remove_duplicate=False)})
+
+    _zero_bubble_trainer(SHARDED_TIED_LAYOUT, 2, [Gather()]).fit(_tied_model(), _loader(), ckpt_path=ckpt)
+    return final
+
+
+@pytest.mark.timeout(300)
+def test_sharded_tied_zero_bubble_checkpoints_resume_exactly_on_unsharded_layouts_and_back(tmp_path):
+    """A checkpoint of a sharded tied LM trained with zero_bubble resumes exactly on an unsharded
+    layout (the tie inside one rank), and an unsharded tied checkpoint resumes exactly on the
+    sharded zero_bubble layout; the tied tensor is stored once either way."""
+    reference = _tied_model()
+    _single_process(2).fit(reference, _loader())
+    expected = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+
+    sharded = Path(run_distributed(_save_sharded_tied, 5, str(tmp_path), timeout=150, init_pg=False)[0])
+    keys = set(torch.distributed.checkpoint.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata)
+    assert "model/llm.0.emb.weight" in keys and "model/llm.4.out.weight" not in keys
+    resumed = {n: v for r in run_distributed(_resume_tied, 2, str(sharded), timeout=150, init_pg=False)
+               for n, v in r.items()}
+    _assert_close(resumed, expected, "sharded zero_bubble -> unsharded resume")
+
+    plain = Path(run_distributed(_save_tied, 3, str(tmp_path / "plain"), timeout=150, init_pg=False)[0])
+    back = {n: v for r in run_distributed(_resume_sharded_tied, 5, str(plain), timeout=150, init_pg=False)
+            for n, v in r.items()}
+    _assert_close(back, expected, "unsharded -> sharded zero_bubble resume")
