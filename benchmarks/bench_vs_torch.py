@@ -25,6 +25,13 @@ Step time = the median over the timed steps of the slowest rank (barrier, then o
 torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (it accepts that; its
 ``ScheduleZBVZeroBubble`` needs two stages per rank, a different amount of work per rank), and
 both sides' 1F1B on the same stages.
+
+``--virtual``: virtual stages. The 4-stage chain with ``v = 2`` chunks per rank (8 sleep stages,
+each ``tf/2``, ``tb/2``: the same work per rank): our ``interleaved_1f1b`` against torch's
+``ScheduleInterleaved1F1B`` (rank ``r`` holding stages ``r`` and ``r + 4`` on both sides), and
+both sides' 1F1B with one whole stage per rank. Then two encoders -> LM (enc_a pp=2, enc_b,
+llm pp=2) with ``virtual_stages=2`` on every module: our measured gain of ``interleaved_1f1b``
+over ``1f1b`` (v = 1) beside the simulator's for the same costs.
 """
 
 from __future__ import annotations
@@ -37,8 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from torch.distributed.pipelining import (  # noqa: E402
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
 )
+
+from lightning_mmpp import ModulePlacement, PipelineLayout  # noqa: E402
+from lightning_mmpp.core.kinds import SimulatorMode  # noqa: E402
+from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
+from lightning_mmpp.core.simulator import simulate  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     OurPipeline, SleepStage, SplitSleepStage, chain, interleaved, machine, median, section, table, two_encoders,
@@ -132,6 +144,108 @@ def zero_bubble(args: argparse.Namespace) -> None:
               f"torch {fn(times['torch zero_bubble']) / fn(times['torch 1f1b']):.3f}")
 
 
+class TorchInterleavedPipeline:
+    """This rank's ``v`` stages (``rank``, ``rank + world``, ...) of a ``v * world``-stage chain
+    under torch's ``ScheduleInterleaved1F1B``; each stage sleeps ``tf / v`` and ``tb / v``."""
+
+    def __init__(self, rank: int, world: int, m: int, tf: float, tb: float, v: int) -> None:
+        self.rank, self.world = rank, world
+        example = torch.zeros(*MB_SHAPE, requires_grad=True)
+        self.modules = [SleepStage(tf / v, tb / v) for _ in range(v)]
+        stages = [PipelineStage(module, rank + i * world, v * world, torch.device("cpu"), input_args=example,
+                                output_args=example) for i, module in enumerate(self.modules)]
+        self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=lambda out, target: out.pow(2).mean())
+        g = torch.Generator().manual_seed(0)
+        self.batch = torch.randn(m * MB_SHAPE[0], *MB_SHAPE[1:], generator=g)
+        self.target = torch.zeros(m * MB_SHAPE[0], 1)
+
+    def step(self) -> float:
+        import time
+
+        import torch.distributed as dist
+
+        for module in self.modules:
+            module.scale.grad = None
+        dist.barrier()
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.schedule.step(self.batch)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=self.target, losses=[])
+        else:
+            self.schedule.step()
+        return time.perf_counter() - start
+
+
+def virtual_chain(pp: int, v: int) -> PipelineLayout:
+    return PipelineLayout({"a": ModulePlacement(pp=pp, virtual_stages=v)}, {"a": []})
+
+
+def virtual_two_encoders(v: int) -> PipelineLayout:
+    """:func:`two_encoders` with ``virtual_stages=v`` on every module (enc_b's chunks on its one
+    rank: a local hand-off). The simulator's best v=2 placement of this DAG: with v=2 on enc_a
+    and llm only, interleaved_1f1b takes longer than 1f1b (720 vs 660 ms at tf=20, tb=40, m=8)."""
+    base = two_encoders()
+    placements = {m: ModulePlacement(pp=p.pp, dp=p.dp, virtual_stages=v) for m, p in base.placements.items()}
+    return PipelineLayout(placements, {m: list(base.topology.downstream(m)) for m in base.modules})
+
+
+def worker_virtual(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
+    ours = OurPipeline(virtual_chain(world, 2), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    ours_plain = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    theirs = TorchInterleavedPipeline(rank, world, m, tf, tb, 2)
+    theirs_plain = TorchPipeline(rank, world, m, tf, tb)
+    runs = {
+        "ours interleaved_1f1b": lambda: ours.step("interleaved_1f1b")[0],
+        "torch interleaved_1f1b": theirs.step,
+        "ours 1f1b": lambda: ours_plain.step("1f1b")[0],
+        "torch 1f1b": lambda: theirs_plain.step("1f1b"),
+    }
+    return interleaved(runs, rounds, steps)
+
+
+def worker_virtual_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
+    ours = OurPipeline(virtual_two_encoders(2), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    plain = OurPipeline(two_encoders(), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    runs = {
+        "interleaved_1f1b v=2": lambda: ours.step("interleaved_1f1b")[0],
+        "1f1b v=1": lambda: plain.step("1f1b")[0],
+    }
+    return interleaved(runs, rounds, steps)
+
+
+def virtual(args: argparse.Namespace) -> None:
+    m, tf, tb = args.m, args.tf, args.tb
+    print(f"$ python benchmarks/bench_vs_torch.py --virtual  (m={m}, tf={tf * 1e3:g} ms, tb={tb * 1e3:g} ms per "
+          f"stage, a chunk 1/v of it, microbatch float32 {list(MB_SHAPE)}, {args.rounds}x{args.steps} timed steps "
+          f"each; {machine()})")
+    section("Chain of 4 ranks, v = 2: ours interleaved_1f1b vs torch ScheduleInterleaved1F1B")
+    times = run_distributed(worker_virtual, 4, m, tf, tb, args.rounds, args.steps, timeout=300)[0]
+    rows = []
+    for sched, v in (("interleaved_1f1b", 2), ("1f1b", 1)):
+        layout = virtual_chain(4, v)
+        sim = simulate(build_schedule(layout, m, sched), layout, tf, tb, mode=SimulatorMode.EAGER).step_time
+        ours, theirs = median(times[f"ours {sched}"]), median(times[f"torch {sched}"])
+        rows.append((sched, v, sim * 1e3, ours * 1e3, theirs * 1e3, ours / theirs))
+    print(table(["schedule", "v", "simulator ms", "ours ms", "torch ms", "ours/torch"], rows))
+
+    section("Two encoders -> LM (enc_a and llm pp=2, every module v=2): interleaved_1f1b against 1f1b v=1, "
+            "measured vs simulator")
+    layout = virtual_two_encoders(2)
+    times = run_distributed(worker_virtual_dag, layout.world_size, m, tf, tb, args.rounds, args.steps, timeout=300)[0]
+    plain = two_encoders()
+    sim_plain = simulate(build_schedule(plain, m, "1f1b"), plain, tf, tb, mode=SimulatorMode.EAGER).step_time
+    sim_virtual = simulate(build_schedule(layout, m, "interleaved_1f1b"), layout, tf, tb,
+                           mode=SimulatorMode.EAGER).step_time
+    measured = median(times["1f1b v=1"]) / median(times["interleaved_1f1b v=2"])
+    predicted = sim_plain / sim_virtual
+    print(table(["run", "simulator ms", "measured ms"], [
+        ("1f1b v=1", sim_plain * 1e3, median(times["1f1b v=1"]) * 1e3),
+        ("interleaved_1f1b v=2", sim_virtual * 1e3, median(times["interleaved_1f1b v=2"]) * 1e3)]))
+    print(f"gain (1f1b step / interleaved_1f1b step): measured {measured:.3f}, simulator {predicted:.3f}, "
+          f"measured / simulator {measured / predicted:.3f}")
+
+
 def worker_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int, steps: int) -> dict:
     ours = OurPipeline(two_encoders(), rank, m, tf, tb, mb_shape=MB_SHAPE)
     ours_chained = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
@@ -156,9 +270,13 @@ def main() -> None:
     parser.add_argument("--p8", action="store_true", help="also the 8-stage chain")
     parser.add_argument("--zero-bubble", action="store_true", help="zero bubble on split sleep stages only")
     parser.add_argument("--tw", type=float, default=0.020, help="--zero-bubble: weight-gradient seconds")
+    parser.add_argument("--virtual", action="store_true", help="virtual stages (interleaved_1f1b) only")
     args = parser.parse_args()
     if args.zero_bubble:
         zero_bubble(args)
+        return
+    if args.virtual:
+        virtual(args)
         return
     m, tf, tb = args.m, args.tf, args.tb
     unit = tf + tb

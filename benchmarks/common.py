@@ -161,14 +161,27 @@ def two_encoders() -> PipelineLayout:
     )
 
 
+def _chunk_of(stage: nn.Module, v: int) -> nn.Module:
+    """``stage`` sleeping ``1/v`` of its times (its ``tf``, ``tb``, ``ti``, ``tw``): one of ``v`` chunks."""
+    for name in ("tf", "tb", "ti", "tw"):
+        if hasattr(stage, name):
+            setattr(stage, name, getattr(stage, name) / v)
+    return stage
+
+
 class SleepModel(nn.Module):
     """One ``nn.Sequential`` of sleep stages per module of ``layout`` (one stage per pp stage),
-    with :class:`SleepHooks`' pipeline hooks: a model :class:`~lightning_mmpp.PipelineEngine` can run."""
+    with :class:`SleepHooks`' pipeline hooks: a model :class:`~lightning_mmpp.PipelineEngine` can run.
+
+    A module with ``virtual_stages=v`` gets ``pp * v`` stages (chunks), each sleeping ``1/v`` of
+    what ``stage()`` sleeps: the module's work per rank is the same whatever ``v`` (the
+    simulator weighs a chunk ``1/v`` of a stage alike)."""
 
     def __init__(self, layout: PipelineLayout, stage: Callable[[], nn.Module]) -> None:
         super().__init__()
         for module, placement in layout.placements.items():
-            self.add_module(module, nn.Sequential(*(stage() for _ in range(placement.pp))))
+            self.add_module(module, nn.Sequential(*(_chunk_of(stage(), placement.virtual_stages)
+                                                    for _ in range(placement.num_stages))))
         self.hooks = SleepHooks()
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
