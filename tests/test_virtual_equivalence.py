@@ -90,3 +90,51 @@ def test_strategy_and_summary_show_chunks():
     assert summary[0][:4] == ["module", "stage", "chunk", "ranks"]
     assert [r[:4] for r in summary[2:6]] == [["llm", "0/4", "0/2", "1"], ["llm", "1/4", "0/2", "2"],
                                              ["llm", "2/4", "1/2", "2"], ["llm", "3/4", "1/2", "1"]]
+
+
+def _tied_runs(rank, world, placements):
+    """A meta-built LM with its embedding tied to its head, under both schedules (one fit each)."""
+    import lightning as L
+
+    from tests.test_tied import MetaTiedModel, _all_params, _kwargs
+    from tests.models import make_loader
+
+    out = {}
+    for schedule in VIRTUAL_SCHEDULES:
+        L.seed_everything(11, verbose=False)
+        model = MetaTiedModel({"llm": []}, optimizer="adam")
+        strategy = MultiModulePipelineStrategy(placements, {"llm": []}, num_microbatches=2, schedule=schedule)
+        initial = {}
+
+        class Record(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                initial.update(_all_params(pl_module))
+
+        L.Trainer(**_kwargs(world, 0.05), strategy=strategy, callbacks=[Record()]).fit(
+            model, make_loader({"llm": []}, 8, 8 * 3))
+        out[schedule] = (initial, _all_params(model))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_meta_built_tied_lm_with_virtual_stages_trains_like_one_process():
+    """Chunks materialised on the meta device take one process's values; the embedding (stage 0)
+    and the head (stage 3) share a parameter: on two ranks under interleaved_1f1b (a tie group
+    sums it), on one rank under zbv (the bottom and the top of the V: one tensor)."""
+    from tests.test_tied import TIED, _reference
+
+    placements = {"llm": P(pp=2, virtual_stages=2)}
+    initial, final = _reference({"llm": []}, True, "adam", 0.05)
+    per_rank = run_distributed(_tied_runs, 2, placements, timeout=360, init_pg=False)
+    for schedule in VIRTUAL_SCHEDULES:
+        held = set()
+        for result in per_rank:
+            start, end = result[schedule]
+            for name, value in start.items():
+                assert torch.equal(value, initial[name]), f"{schedule}: initial {name}"
+                torch.testing.assert_close(end[name], final[name], rtol=1e-5, atol=1e-6, msg=f"{schedule} {name}")
+                held.add(name)
+        assert held == set(final), schedule
+        ends = [result[schedule][1][n] for result in per_rank for n in TIED if n in result[schedule][1]]
+        assert len(ends) >= 2 and all(torch.equal(ends[0], e) for e in ends), schedule
