@@ -553,13 +553,20 @@ class _Evaluator:
             elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
                 held[unit] = held.get(unit, 0) - 1
                 last_backward[unit] = max(last_backward.get(unit, 0.0), end)
-        # a rank's step ends with its gradient sums (each after its stage's last backward), then
+        # a rank's step ends with its gradient sums, each started after its stage's last backward
+        # and run one after the other (colocated modules' collectives queue on the rank), then
         # its optimizer step
         finish = [0.0] * small.world_size
         for rank, _, end, _ in result.computes:
             finish[rank] = max(finish[rank], end)
+        syncs: dict[int, list[tuple[float, float]]] = {}
         for (rank, module), end in last_backward.items():
-            finish[rank] = max(finish[rank], end + cost.stage(module, small.slot(rank, module).stage).sync_s)
+            syncs.setdefault(rank, []).append((end, cost.stage(module, small.slot(rank, module).stage).sync_s))
+        for rank, queue in syncs.items():
+            done = 0.0
+            for end, seconds in sorted(queue):
+                done = max(done, end) + seconds
+            finish[rank] = max(finish[rank], done)
         step = max(result.step_time, *(
             finish[r] + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
             for r in range(small.world_size)))
