@@ -76,7 +76,7 @@ MISTAKES_HERE: dict[str, tuple[Callable[[], Any], str]] = {
     "empty_placements": (lambda: _strategy({}), "placements must be a non-empty dict"),
     "placement_not_wrapped": (lambda: _strategy({"enc_a": {"pp": 1}, "llm": P()}), "wrap it as ModulePlacement"),
     "overlapping_ranks": (lambda: _strategy({"enc_a": P(dp=2, rank_offset=0), "llm": P(pp=2, rank_offset=1)}),
-                          "Colocated modules need the same rank_offset, pp and dp"),
+                          "Colocated modules need the same rank_offset, pp, dp and tp"),
     "rank_gap": (lambda: _strategy({"enc_a": P(rank_offset=0), "llm": P(rank_offset=2)}), "hold no module"),
     "dp_ratio_not_whole": (lambda: _strategy({"enc_a": P(dp=3), "llm": P(dp=2)}), "do not divide one another"),
     "empty_topology": (lambda: _strategy(TWO, {}), "topology must be a non-empty dict"),
