@@ -22,7 +22,7 @@ TP_LAYOUTS = {
     "llm_tp2_pp2": (LM, {"llm": P(pp=2, tp=2)}, 4, 8, ("1f1b", "zero_bubble")),
     "enc_dp2-llm_tp2": (ONE_ENC, {"enc_a": P(dp=2), "llm": P(tp=2)}, 4, 8, ("1f1b", "zero_bubble")),
     "enc_tp2-llm_tp2_pp2": (ONE_ENC, {"enc_a": P(tp=2), "llm": P(pp=2, tp=2)}, 2, 8, ("1f1b", "zero_bubble")),
-    "llm_tp2_dp2_shard": (LM, {"llm": P(dp=2, tp=2, shard=True)}, 2, 8, ("1f1b",)),
+    "llm_tp2_dp2_shard": (LM, {"llm": P(dp=2, tp=2, shard=True)}, 2, 8, ("1f1b", "zero_bubble")),
     "enc-llm_tp2_dp2": (ONE_ENC, {"enc_a": P(), "llm": P(dp=2, tp=2)}, 2, 8, ("1f1b", "zero_bubble")),
     "enc_tp2-fanout-llm_dp2": (ONE_ENC, {"enc_a": P(tp=2), "llm": P(dp=2)}, 2, 8, ("gpipe", "zero_bubble")),
 }
