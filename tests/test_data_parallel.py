@@ -95,3 +95,33 @@ def test_later_layers_are_summed_while_the_first_layer_computes_its_backward():
     for out in run_distributed(_in_flight, 2, timeout=60):
         assert out["seen"] and out["seen"][0] >= 3, out  # layers 3, 2, 1 launched before layer 0's backward
         assert out["exact"], out
+
+
+def _empty_first(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    # each dtype's first parameter in bucket order (the last defined) has no elements
+    linear = nn.Linear(4, 4)
+    double = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    params = [linear.weight, linear.bias, nn.Parameter(torch.empty(0)), double,
+              nn.Parameter(torch.empty(0, dtype=torch.float64))]
+    group = dist.new_group([0, 1])
+    grads = StageGradients({"m": (group, params)}, params, params, world, bucket_bytes=LAYER_BYTES)
+    reduction = grads.reductions["m"]
+    dtypes = [{p.dtype for p in b.params} for b in reduction.buckets]
+    torch.manual_seed(10 + rank)
+    grads.before_backward("m", True)
+    (linear(torch.randn(2, 4)).square().sum() + (double * double).sum() + params[2].sum() + params[4].sum()).backward()
+    grads.after_last_backward("m")
+    local = [p.grad.clone() for p in params]
+    calls = grads.synchronize()
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, local)
+    exact = all(torch.allclose(p.grad, everyone[0][i] + everyone[1][i], rtol=0, atol=1e-6) for i, p in enumerate(params))
+    return {"dtypes": dtypes, "calls": calls, "exact": exact}
+
+
+@pytest.mark.timeout(60)
+def test_a_dtype_whose_first_parameter_has_no_elements_gets_a_bucket_of_its_own():
+    for out in run_distributed(_empty_first, 2, timeout=60):
+        assert out["dtypes"] == [{torch.float32}, {torch.float64}], out
+        assert out["calls"] == 2 and out["exact"], out

@@ -80,13 +80,17 @@ class _Reduction:
         self.group = group
         self.buckets: list[_Bucket] = []
         for dtype in sorted({p.dtype for p in params}, key=str):
-            size = bucket_bytes  # a new bucket starts with the first parameter
+            # every dtype starts a bucket of its own (one flat tensor per all-reduce), also when
+            # its first parameter has no elements; a full bucket is closed before the next one
+            bucket: _Bucket | None = None
+            size = 0
             for p in reversed([q for q in params if q.dtype is dtype]):
                 nbytes = p.numel() * p.element_size()
-                if size + nbytes > bucket_bytes and (not self.buckets or self.buckets[-1].params):
-                    self.buckets.append(_Bucket([]))
+                if bucket is None or size + nbytes > bucket_bytes:
+                    bucket = _Bucket([])
+                    self.buckets.append(bucket)
                     size = 0
-                self.buckets[-1].params.append(p)
+                bucket.params.append(p)
                 size += nbytes
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.launched = 0  # buckets launched this step, a prefix of ``buckets``
