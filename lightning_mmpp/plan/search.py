@@ -41,6 +41,7 @@ from lightning_mmpp.plan.calibration import Calibration
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, step_overhead_seconds
 from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
+from lightning_mmpp.plan.lockstep import LOCKSTEP_SCHEDULES, LockstepTiming, time_lockstep
 
 __all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
 
@@ -451,7 +452,6 @@ class _Evaluator:
     def __init__(self, space: _Space, allow_recompute: bool) -> None:
         self.space = space
         self.allow_recompute = allow_recompute
-        self.schedules: dict = {}
         self.layouts: dict = {}
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
         self.metrics_s = step_overhead_seconds(space.profile, space.world_size)  # every plan uses every rank
@@ -516,25 +516,16 @@ class _Evaluator:
                              for n, p in placements.items())
             self.smallest_peak = (peak, desc)
 
-    def simulate(self, structure: _Structure, m: int, schedule: ScheduleName, flags: dict, cost: CostModel,
-                 bound: float) -> Optional[Plan]:
+    def _simulate_timed(self, small: PipelineLayout, m: int, schedule: ScheduleName,
+                        cost: CostModel) -> Optional[LockstepTiming]:
+        """zero_bubble: its schedule depends on the costs, so it is built (on the mean phase
+        costs) and simulated; the same quantities as :func:`time_lockstep`."""
         space = self.space
-        topology = space.profile.topology
-        placements = cost.placements
-        layout = PipelineLayout(placements, topology)
-        small = self.collapsed(structure)
-        key = (tuple(sorted((n, p.pp, p.rank_offset) for n, p in small.placements.items())), m, schedule)
-        if schedule is ScheduleName.ZERO_BUBBLE:
-            stages = [cost.stage(n, s) for n, p in placements.items() for s in range(p.pp) if n not in space.no_backward]
-            mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
-                    zip(*[(c.forward_s, c.input_s, c.weight_s) for c in stages])] if stages else [1.0, 1.0, 1.0]
-            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward,
-                                   costs=PhaseCosts(*mean))
-        else:
-            built = self.schedules.get(key)
-            if built is None:
-                built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward)
-                self.schedules[key] = built
+        stages = [cost.stage(n, s) for n, p in cost.placements.items() for s in range(p.pp)
+                  if n not in space.no_backward]
+        mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
+                zip(*[(c.forward_s, c.input_s, c.weight_s) for c in stages])] if stages else [1.0, 1.0, 1.0]
+        built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
@@ -542,32 +533,47 @@ class _Evaluator:
             return None
         last_backward: dict[tuple[int, str], float] = {}
         held: dict[tuple[int, str], int] = {}
-        peak_held: dict[tuple[int, str], int] = {}
+        peak: dict[tuple[int, str], int] = {}
+        finish = [0.0] * small.world_size
         for rank, start, end, action in sorted(result.computes, key=lambda c: c[1]):
+            finish[rank] = max(finish[rank], end)
             unit = (rank, action.module)
             if action.module in space.no_backward:
                 continue
             if action.phase is Phase.FORWARD:
                 held[unit] = held.get(unit, 0) + 1
-                peak_held[unit] = max(peak_held.get(unit, 0), held[unit])
+                peak[unit] = max(peak.get(unit, 0), held[unit])
             elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
                 held[unit] = held.get(unit, 0) - 1
                 last_backward[unit] = max(last_backward.get(unit, 0.0), end)
+        return LockstepTiming(result.step_time, result.busy, tuple(finish), last_backward, peak)
+
+    def simulate(self, structure: _Structure, m: int, schedule: ScheduleName, flags: dict, cost: CostModel,
+                 bound: float) -> Optional[Plan]:
+        space = self.space
+        topology = space.profile.topology
+        placements = cost.placements
+        layout = PipelineLayout(placements, topology)
+        small = self.collapsed(structure)
+        if schedule in LOCKSTEP_SCHEDULES:
+            timing = time_lockstep(small, m, schedule, cost.forward, cost.backward, space.no_backward)
+        else:
+            timing = self._simulate_timed(small, m, schedule, cost)
+            if timing is None:
+                return None
         # a rank's step ends with its gradient sums, each started after its stage's last backward
         # and run one after the other (colocated modules' collectives queue on the rank), then
         # its optimizer step
-        finish = [0.0] * small.world_size
-        for rank, _, end, _ in result.computes:
-            finish[rank] = max(finish[rank], end)
+        finish = list(timing.finish)
         syncs: dict[int, list[tuple[float, float]]] = {}
-        for (rank, module), end in last_backward.items():
+        for (rank, module), end in timing.last_backward.items():
             syncs.setdefault(rank, []).append((end, cost.stage(module, small.slot(rank, module).stage).sync_s))
         for rank, queue in syncs.items():
             done = 0.0
             for end, seconds in sorted(queue):
                 done = max(done, end) + seconds
             finish[rank] = max(finish[rank], done)
-        step = max(result.step_time, *(
+        step = max(timing.step_time, *(
             finish[r] + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
             for r in range(small.world_size)))
         step += self.metrics_s
@@ -575,14 +581,15 @@ class _Evaluator:
         weights = []
         for rank in range(layout.world_size):
             for slot in layout.slots(rank):
-                inflight[(rank, slot.module)] = peak_held.get((small.rank_of(slot.module, slot.stage, 0), slot.module), 0)
+                inflight[(rank, slot.module)] = timing.peak_in_flight.get(
+                    (small.rank_of(slot.module, slot.stage, 0), slot.module), 0)
         for rank in range(small.world_size):
             weights.append(placements[small.slots(rank)[0].module].dp)
         peaks = cost.peak_memory(layout, inflight)
         if space.memory_limit is not None and max(peaks) > space.memory_limit:
             self._note_peak(max(peaks), placements)
             return None
-        busy = sum(w * b for w, b in zip(weights, result.busy))
+        busy = sum(w * b for w, b in zip(weights, timing.busy))
         bubble = 1.0 - busy / (step * layout.world_size) if step > 0 else 0.0
         return Plan(placements=dict(placements), topology={k: list(v) for k, v in topology.items()},
                     num_microbatches=m, schedule=schedule, step_time_s=step, peak_memory_bytes=tuple(peaks),
