@@ -4,6 +4,7 @@
     python benchmarks/bench_model_memory.py --width 2048 --layers 32
     python benchmarks/bench_model_memory.py --width 4096 --layers 24 --pp 2 --dp 2 --shard \
         --modes meta safetensors --grad-reduction step microbatch     # FSDP2, sharded while built
+    python benchmarks/bench_model_memory.py --width 4096 --layers 24 --pp 2 --tp 2 --modes eager meta safetensors
 
 With ``--shard`` the module is placed ``pp, dp, shard=True`` (``pp * dp`` ranks) and the table
 also shows the peak *before the first step* (read at the first batch's start) against the rank's
@@ -13,6 +14,12 @@ reads only its rows), and the training peak split into the local parameters, gra
 state and the rest ("transients": the all-gathered layer, the unsharded gradients that
 ``sharded_grad_reduction="step"`` accumulates between microbatches, activations), per
 ``--grad-reduction``.
+
+With ``--tp t`` every stage runs on ``t`` tensor-parallel ranks (``pp * dp * t`` ranks): each
+layer is split by columns (``ColwiseParallel``, output replicated). Built on meta, a layer is
+allocated whole, filled, and split before the next one is allocated, so the peak before the
+first step is the rank's 1/t of its stages plus one whole layer; eager construction holds the
+whole model first.
 
 A LightningModule holds one pipelined module ``net`` (``--layers`` bias-free
 ``Linear(width, width)``), placed ``pp=4`` (``--pp``); Adam, 2 training steps, tiny batches (so
@@ -90,6 +97,12 @@ class Net(L.LightningModule):
     def pipeline_loss(self, output, batch):
         return output.square().mean()
 
+    def pipeline_parallelize(self, module, index, layer, tp_mesh):
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(layer, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=1e-4)
@@ -108,7 +121,7 @@ def _write(rank: int, world: int, width: int, layers: int, directory: str) -> No
 
 
 def worker(rank: int, world: int, mode: str, width: int, layers: int, pp: int, directory: str, optimizer: str,
-           dp: int = 1, shard: bool = False, grad_reduction: str = "step") -> dict:
+           dp: int = 1, shard: bool = False, grad_reduction: str = "step", tp: int = 1) -> dict:
     cuda = torch.cuda.is_available()
     base = start_memory_measurement()
     before = _BeforeFirstStep(base)
@@ -118,7 +131,7 @@ def worker(rank: int, world: int, mode: str, width: int, layers: int, pp: int, d
     elif mode == "dcp":
         pretrained = {"net": os.path.join(directory, "net_dcp")}
     model = Net(width, layers, eager=mode == "eager", optimizer=optimizer)
-    strategy = MultiModulePipelineStrategy({"net": ModulePlacement(pp=pp, dp=dp, shard=shard)}, {"net": []},
+    strategy = MultiModulePipelineStrategy({"net": ModulePlacement(pp=pp, dp=dp, tp=tp, shard=shard)}, {"net": []},
                                            num_microbatches=pp, pretrained=pretrained,
                                            sharded_grad_reduction=grad_reduction)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=world, strategy=strategy, max_steps=2,
@@ -149,6 +162,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     parser.add_argument("--shard", action="store_true", help="ModulePlacement(shard=True) (needs --dp >= 2)")
     parser.add_argument("--grad-reduction", nargs="+", default=["step"], choices=("step", "microbatch"),
                         help="sharded_grad_reduction values to run (with --shard)")
@@ -156,16 +170,16 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     args = parser.parse_args()
     total = args.width * args.width * args.layers * 4
-    world = args.pp * args.dp
+    world = args.pp * args.dp * args.tp
     reductions = args.grad_reduction if args.shard else ["step"]
     print(f"$ python benchmarks/bench_model_memory.py --width {args.width} --layers {args.layers} --pp {args.pp} "
-          f"--dp {args.dp}{' --shard' if args.shard else ''} --modes {' '.join(args.modes)} "
+          f"--dp {args.dp}{f' --tp {args.tp}' if args.tp > 1 else ''}{' --shard' if args.shard else ''} --modes {' '.join(args.modes)} "
           f"--grad-reduction {' '.join(reductions)} --optimizer {args.optimizer}")
     print(f"(whole model {total / MIB:.0f} MiB of fp32 parameters, {world} ranks; {machine()})")
     rows, before_rows, training_rows = [], [], []
     # the framework's own growth (Lightning, process groups, buffers), measured with a tiny model
     tiny = run_distributed(worker, world, "meta", 8, args.pp, args.pp, "", args.optimizer, args.dp, args.shard,
-                           timeout=300, init_pg=False)
+                           "step", args.tp, timeout=300, init_pg=False)
     framework = max(r["peak"] for r in tiny)
     framework_before = max(r["before_step"] or 0 for r in tiny)
     with tempfile.TemporaryDirectory() as directory:
@@ -174,7 +188,7 @@ def main() -> None:
         for mode in args.modes:
             for reduction in reductions:
                 per_rank = run_distributed(worker, world, mode, args.width, args.layers, args.pp, directory,
-                                           args.optimizer, args.dp, args.shard, reduction, timeout=600,
+                                           args.optimizer, args.dp, args.shard, reduction, args.tp, timeout=600,
                                            init_pg=False)
                 for rank, r in enumerate(per_rank):
                     model_peak = r["peak"] - framework

@@ -114,6 +114,79 @@ def test_validate_and_predict_with_tp():
         torch.testing.assert_close(prediction, expected, rtol=1e-5, atol=1e-6)
 
 
+# --- meta-built tp stages: split while built ----------------------------------------------------
+
+META_SEED = 17
+META_TP_LAYOUTS = {"llm_tp2_pp2": {"llm": P(pp=2, tp=2)}, "llm_tp2_dp2_shard": {"llm": P(dp=2, tp=2, shard=True)}}
+
+
+class _MetaTensorParallelModel(TensorParallelModel):
+    """Built on the meta device; its hook records, per call, how many of the rank's other LM
+    layers are allocated but not split (no DTensor parameter): split while built, none."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        with torch.device("meta"):
+            super().__init__(*args, **kwargs)
+        self.whole_elsewhere: list[int] = []
+
+    def pipeline_parallelize(self, module, index, layer, tp_mesh) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if module == "llm":
+            self.whole_elsewhere.append(sum(
+                1 for other in self.llm if other is not layer
+                and any(not p.is_meta for p in other.parameters())
+                and not any(isinstance(p, DTensor) for p in other.parameters())))
+        super().pipeline_parallelize(module, index, layer, tp_mesh)
+
+
+def _meta_reference() -> tuple[dict, dict]:
+    import lightning as L
+
+    from lightning_mmpp import materialize
+    from tests.models import make_loader
+    from tests.test_equivalence import STEPS, _trainer_kwargs
+
+    model = materialize(_MetaTensorParallelModel(LM), seed=META_SEED)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    L.Trainer(**_trainer_kwargs(1, STEPS), gradient_clip_val=0.05).fit(model, make_loader(LM, 8, 8 * STEPS))
+    return initial, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _meta_pipelined(rank, world):
+    import lightning as L
+
+    from tests.models import make_loader
+    from tests.test_equivalence import STEPS, _FinalParameters, _trainer_kwargs
+
+    out = {}
+    for name, placements in META_TP_LAYOUTS.items():
+        L.seed_everything(META_SEED, verbose=False)
+        model = _MetaTensorParallelModel(LM)
+        final, start = _FinalParameters(), _StartParameters.callback()
+        strategy = MultiModulePipelineStrategy(placements, LM, num_microbatches=2)
+        L.Trainer(**_trainer_kwargs(world, STEPS), strategy=strategy, gradient_clip_val=0.05,
+                  callbacks=[final, start]).fit(model, make_loader(LM, 8, 8 * STEPS))
+        out[name] = (start.values, final.values, model.whole_elsewhere)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_meta_built_tp_stages_are_split_layer_by_layer_and_train_like_one_process():
+    """A meta-built LM on pp=2 tp=2 and on dp=2 tp=2 shard=True: each layer is allocated whole
+    and split (and sharded) before the next one is allocated, starts from ``materialize``'s
+    one-process values and trains like one process (SGD + momentum, clipping)."""
+    require_ranks(4)
+    initial, final = _meta_reference()
+    for rank, runs in enumerate(run_distributed(_meta_pipelined, 4, timeout=280, init_pg=False)):
+        for layout, (start, end, whole_elsewhere) in runs.items():
+            assert whole_elsewhere and not any(whole_elsewhere), f"{layout} rank {rank}: {whole_elsewhere}"
+            assert start.keys() == end.keys() and start, layout
+            for name, value in start.items():
+                assert torch.equal(value, initial[name]), f"{layout} rank {rank}: initial {name}"
+                torch.testing.assert_close(end[name], final[name], rtol=1e-5, atol=1e-6, msg=f"{layout} {name}")
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 CKPT_BATCHES = 3

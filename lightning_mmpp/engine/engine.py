@@ -55,11 +55,13 @@ from lightning_mmpp.engine.sharding import (
 )
 from lightning_mmpp.engine.tensor_parallel import (
     StageMeshes, TensorParallelRelay, agree_on_errors, apply_tensor_parallel, check_tensor_parallel,
+    parallelize_layer,
 )
 from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_groups, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction
+from lightning_mmpp.model.initialization import release
 from lightning_mmpp.model.partition import Partition, partition_model
 from lightning_mmpp.model.pretrained import PretrainedWeights
 
@@ -212,7 +214,13 @@ class PipelineEngine:
         built_here = not is_partitioned(model)  # else an earlier engine built (and agreed on) the stages
         self._precision, self._convert_module = precision, convert_module
         self._meshes: dict[tuple[int, ...], Any] = {}
-        self.meshes: Optional[StageMeshes] = None  # tp stages' meshes, made after the build
+        self.meshes: Optional[StageMeshes] = (  # tp stages' meshes
+            reused[1] if reused is not None
+            else StageMeshes(layout, self.rank, self.dp_groups, self.tp_groups, self.device) if layout.max_tp > 1
+            else None
+        )
+        self._split_built: set[int] = set()  # ids of tp layers split while built
+        self._split_error: Optional[BaseException] = None
         self.partition, self.pretrained_keys_read, replaced = self._partition(model, dict(pretrained or {}), seed)
         owned = self.partition.owned_parameter_ids
         for optimizer in optimizers:
@@ -227,7 +235,8 @@ class PipelineEngine:
         self._groups += list(self.tie_groups.values())
         if built_here:
             self._agree_initial_values()
-        self.meshes = reused[1] if reused is not None else self._parallelize(optimizers) if layout.max_tp > 1 else None
+        if reused is None and self.meshes is not None:
+            self._parallelize(optimizers)
         if self.meshes is not None:
             _TENSOR_PARALLEL[model] = (self.tp_groups, self.meshes)
         self.sharded = apply_memory_options(
@@ -278,21 +287,19 @@ class PipelineEngine:
         slot = self.layout.slots(self.rank)[0]
         return self.layout.tp_group(slot.module, slot.stage, slot.replica)
 
-    def _parallelize(self, optimizers: Sequence[torch.optim.Optimizer]) -> StageMeshes:
-        """Tensor parallelism: check what only the partition tells (tied parameters), build the
-        tp meshes and call the model's hook on every layer of this rank's tp stages; a failure on
-        any rank is raised on every rank."""
-        check_tensor_parallel(self.model, self.layout, [m for tie in self.partition.tied for m, _ in tie.owners])
-        meshes = StageMeshes(self.layout, self.rank, self.dp_groups, self.tp_groups, self.device)
-        error: Optional[BaseException] = None
+    def _parallelize(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Tensor parallelism: call the model's hook on every layer of this rank's tp stages not
+        split while built; a failure on any rank (here or while building) is raised on every rank."""
+        error = self._split_error
         replaced: dict[int, nn.Parameter] = {}
-        try:
-            replaced = apply_tensor_parallel(self.model, self.layout, self.partition.runners, meshes)
-        except Exception as err:  # noqa: BLE001 - raised on every rank just below
-            error = err
+        if error is None:
+            try:
+                replaced = apply_tensor_parallel(self.model, self.layout, self.partition.runners, self.meshes,
+                                                 self._split_built)
+            except Exception as err:  # noqa: BLE001 - raised on every rank just below
+                error = err
         agree_on_errors(error, self.world_size)
         replace_optimizer_parameters(optimizers, replaced)
-        return meshes
 
     def _mesh(self, module: str, stage: int) -> Any:
         """The device mesh of ``module``'s stage ``stage`` over this rank's dp group (made once); a tp
@@ -317,6 +324,47 @@ class PipelineEngine:
                     if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
                         layers.append((module, name, layer))
         return layers
+
+    def _split_while_building(self, partition: Partition) -> list[tuple[str, str, nn.Module]]:
+        """``(module, layer name, layer)`` of every layer of a tp stage that is wholly on the meta
+        device: it is built whole and split at once, one layer at a time (see
+        :mod:`lightning_mmpp.model.construction`)."""
+        layers = []
+        for module, runner in partition.runners.items():
+            if self.layout.placements[module].tp > 1:
+                for name, layer in zip(runner.layer_names, runner.layers):
+                    tensors = [*layer.parameters(), *layer.buffers()]
+                    if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
+                        layers.append((module, name, layer))
+        return layers
+
+    def _split_layer(self, partition: Partition) -> Callable[[str, nn.Module], None]:
+        """The callback that splits a just-built layer of a tp stage: the model's hook, then
+        ``fully_shard`` under ``shard=True``. The first failure is kept (raised on every rank by
+        :meth:`_parallelize`); later layers are then left whole. The whole parameters a layer had
+        go back to meta (the optimizers and the caller may still reference them until they are
+        pointed at the shards), so their memory is free before the next layer is allocated."""
+        index_of = {id(layer): runner.first_layer + i for runner in partition.runners.values()
+                    for i, layer in enumerate(runner.layers)}
+        shard = self._shard_layer({id(layer): (module, runner.stage) for module, runner in partition.runners.items()
+                                   for layer in runner.layers})
+
+        def split(module: str, layer: nn.Module) -> None:
+            if self._split_error is not None:
+                return
+            whole = dict(layer.named_parameters())
+            try:
+                parallelize_layer(self.model, module, index_of[id(layer)], layer, self.meshes.tp_mesh(module))
+                if self.layout.placements[module].shard:
+                    shard(layer)
+            except Exception as err:  # noqa: BLE001 - raised on every rank by _parallelize
+                self._split_error = err
+                return
+            self._split_built.add(id(layer))
+            split_now = dict(layer.named_parameters())
+            release([p for name, p in whole.items() if split_now.get(name) is not p])
+
+        return split
 
     def _shard_layer(self, module_of: Mapping[int, tuple[str, int]]) -> Callable[[nn.Module], tuple[int, int]]:
         """The callback that shards a meta layer of a sharded stage (dtype conversion first)."""
@@ -346,13 +394,16 @@ class PipelineEngine:
         partition = partition_model(model, self.layout, self.rank)
         if plan.on_meta and seed is None:
             seed = self._broadcast_seed()
+        if self.layout.max_tp > 1:  # before a tp layer is split while built
+            check_tensor_parallel(model, self.layout, [m for tie in partition.tied for m, _ in tie.owners])
         shard_layers = self._shard_while_building(partition) if plan.on_meta else []
+        split_layers = self._split_while_building(partition) if plan.on_meta else []
         module_of = {id(layer): (module, partition.runners[module].stage) for module, _, layer in shard_layers}
-        before = {id(layer): dict(layer.named_parameters()) for _, _, layer in shard_layers}
+        before = {id(layer): dict(layer.named_parameters()) for _, _, layer in (*shard_layers, *split_layers)}
         read = build_own_stages(model, plan, self.device, seed or 0, partition.tied, shard_layers,
-                                self._shard_layer(module_of))
+                                self._shard_layer(module_of), split_layers, self._split_layer(partition))
         replaced = {}
-        for _, _, layer in shard_layers:
+        for _, _, layer in (*shard_layers, *split_layers):
             after = dict(layer.named_parameters())
             replaced.update({id(old): after[name] for name, old in before[id(layer)].items()})
         _PARTITIONED[model] = (self.layout, self.rank, partition)
@@ -370,8 +421,8 @@ class PipelineEngine:
             ranks = self.layout.dp_group(module, runner.stage, self.layout.tp_index(self.rank))
             if len(ranks) > 1:
                 for layer in runner.layers:
-                    if is_fsdp_unit(layer):  # sharded while built: every replica built the same values
-                        continue
+                    if is_fsdp_unit(layer) or id(layer) in self._split_built:
+                        continue  # sharded or split while built: every replica built the same values
                     for tensor in [*layer.parameters(), *layer.buffers()]:
                         dist.broadcast(tensor, src=ranks[0], group=self.dp_groups[ranks])
         for tie in self.partition.tied:

@@ -5,7 +5,8 @@ ranks, a *tp group*. Torch does the splitting: the engine builds a
 :class:`~torch.distributed.device_mesh.DeviceMesh` over the group and calls the model's hook
 ``pipeline_parallelize(module, index, layer, tp_mesh)`` for every layer of the stages the rank
 holds, after construction (every tp rank materialises or loads the whole layer, with the same
-values) and before FSDP2 sharding; the hook typically calls
+values; a meta-built layer is split as soon as it is built, before the next one is allocated)
+and before FSDP2 sharding; the hook typically calls
 ``torch.distributed.tensor.parallel.parallelize_module(layer, tp_mesh, plan)``, which replaces
 the layer's parameters by ``DTensor`` shards. With ``shard=True`` the stage's mesh is
 two-dimensional (``dp x tp``, :meth:`StageMeshes.dp_mesh` feeds ``fully_shard``), as FSDP2
@@ -28,7 +29,7 @@ shapes: ``torch.distributed.pipelining`` sends rank-to-rank between stages of eq
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "counts_on_this_tp_rank",
+    "parallelize_layer",
 ]
 
 HOOK = "pipeline_parallelize"
@@ -134,37 +136,43 @@ class StageMeshes:
 
 
 def apply_tensor_parallel(
-    model: Any, layout: PipelineLayout, runners: Mapping[str, StageRunner], meshes: StageMeshes
+    model: Any, layout: PipelineLayout, runners: Mapping[str, StageRunner], meshes: StageMeshes,
+    done: Container[int] = (),
 ) -> dict[int, nn.Parameter]:
-    """Call the model's hook on every layer of this rank's tp stages; return ``{id(old parameter):
-    new parameter}`` (``parallelize_module`` replaces parameters by DTensor ones).
+    """Call the model's hook on every layer of this rank's tp stages but those in ``done`` (ids of
+    layers split while built); return ``{id(old parameter): new parameter}`` (``parallelize_module``
+    replaces parameters by DTensor ones).
 
-    A plan key that resolves to no submodule (torch warns) is an error naming the layer. Errors
-    are returned to the caller on this rank only; :func:`agree_on_errors` raises them everywhere.
+    Errors are returned to the caller on this rank only; :func:`agree_on_errors` raises them everywhere.
     """
     replaced: dict[int, nn.Parameter] = {}
-    hook = getattr(model, HOOK, None)
     for module, runner in runners.items():
         mesh = meshes.tp_mesh(module)
         if mesh is None:
             continue
-        first = runner.first_layer
         for i, layer in enumerate(runner.layers):
-            before = dict(layer.named_parameters())
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                hook(module, first + i, layer, mesh)
-            unresolved = [str(w.message).split(":")[0] for w in caught if "could not be resolved" in str(w.message)]
-            if unresolved:
-                raise PipelineConfigError(
-                    f"{type(model).__name__}.{HOOK}({module!r}, {first + i}, ...): the plan names submodules that "
-                    f"layer {type(layer).__name__} does not have ({unresolved[0]}); fix the plan's keys for this layer."
-                )
-            after = dict(layer.named_parameters())
-            for name, old in before.items():
-                if after.get(name) is not None and after[name] is not old:
-                    replaced[id(old)] = after[name]
+            if id(layer) not in done:
+                replaced.update(parallelize_layer(model, module, runner.first_layer + i, layer, mesh))
     return replaced
+
+
+def parallelize_layer(model: Any, module: str, index: int, layer: nn.Module, tp_mesh: Any) -> dict[int, nn.Parameter]:
+    """Call the model's hook on one layer (global layer ``index`` of ``module``); return
+    ``{id(old parameter): new parameter}``. A plan key that resolves to no submodule (torch
+    warns) is an error naming the layer."""
+    before = dict(layer.named_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(model, HOOK)(module, index, layer, tp_mesh)
+    unresolved = [str(w.message).split(":")[0] for w in caught if "could not be resolved" in str(w.message)]
+    if unresolved:
+        raise PipelineConfigError(
+            f"{type(model).__name__}.{HOOK}({module!r}, {index}, ...): the plan names submodules that "
+            f"layer {type(layer).__name__} does not have ({unresolved[0]}); fix the plan's keys for this layer."
+        )
+    after = dict(layer.named_parameters())
+    return {id(old): after[name] for name, old in before.items() if after.get(name) is not None
+            and after[name] is not old}
 
 
 def agree_on_errors(error: Optional[BaseException], world_size: int) -> None:

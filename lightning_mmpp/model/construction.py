@@ -16,6 +16,13 @@ whole-size temporary copy under the submodule's own RNG (the layout-independent 
 rank keeps its rows; pretrained values are read as those rows only. So a rank holds its own
 shards plus at most one submodule's whole tensors, and the values are bitwise those of
 :func:`~lightning_mmpp.model.initialization.materialize` in one process.
+
+Split while built (``ModulePlacement(tp=t)`` on a meta-built model): a layer of a tp stage is
+allocated whole, initialised and loaded (its pretrained tensors only), then handed at once to a
+``split`` callback (the engine's tensor-parallel hook, and ``fully_shard`` too under
+``shard=True``), which replaces its parameters by their shards and frees the whole ones before
+the next layer is allocated. A rank so holds its own shards plus one whole layer, not its whole
+stages, and every value is the one-process value (torch's parallel styles cut the whole tensor).
 """
 
 from __future__ import annotations
@@ -50,11 +57,15 @@ from lightning_mmpp.model.pretrained import (
     open_source,
 )
 
-__all__ = ["ConstructionPlan", "ShardLayer", "build_own_stages", "load_pretrained", "plan_construction"]
+__all__ = ["ConstructionPlan", "ShardLayer", "SplitLayer", "build_own_stages", "load_pretrained", "plan_construction"]
 
 ShardLayer = Callable[[nn.Module], tuple[int, int]]
 """Shard a meta layer in place (its parameters become row-sharded DTensors, ``torch.chunk`` along
 dim 0); returns ``(this rank's chunk index, number of chunks)``."""
+
+SplitLayer = Callable[[str, nn.Module], None]
+"""Split a built layer of ``module`` in place (tensor parallelism; its parameters become DTensor
+shards, the whole tensors are released)."""
 
 
 @dataclass
@@ -101,6 +112,8 @@ def build_own_stages(
     tied: Sequence[TiedParameter] = (),
     shard_layers: Sequence[tuple[str, str, nn.Module]] = (),
     shard: Optional[ShardLayer] = None,
+    split_layers: Sequence[tuple[str, str, nn.Module]] = (),
+    split: Optional[SplitLayer] = None,
 ) -> dict[str, list[str]]:
     """Allocate and initialise the (partitioned) model's meta tensors, then load pretrained values.
 
@@ -108,6 +121,7 @@ def build_own_stages(
     initialised from a throwaway copy of that owner, so every copy starts equal.
     ``shard_layers`` (``(module, layer name, layer)``, every tensor still on meta) are sharded by
     ``shard`` first and built as local shards, one at a time (see the module docstring).
+    ``split_layers`` (the same form) are built whole one at a time and handed to ``split`` each.
     Returns ``{module: module-relative keys read from its source}``.
     """
     read: dict[str, list[str]] = {}
@@ -117,6 +131,12 @@ def build_own_stages(
             assert shard is not None, "sharded layers need the shard callback"
             for module, name, layer in shard_layers:
                 keys = _build_sharded_layer(module, name, layer, shard, plan, device, seed, tied, skip)
+                read.setdefault(module, []).extend(keys)
+        if split_layers:
+            assert split is not None, "split layers need the split callback"
+            for module, name, layer in split_layers:
+                keys = _build_whole_layer(module, name, layer, plan, device, seed, skip)
+                split(module, layer)
                 read.setdefault(module, []).extend(keys)
         was_meta = {id(t.local) for t in tied if t.local is not None and t.local.is_meta}
         materialize(model, seed, device=device, skip=skip)
@@ -128,7 +148,7 @@ def build_own_stages(
     for source in plan.sources:
         container = getattr(model, source.module)
         state = container.state_dict(keep_vars=True)
-        built = [name for module, name, _ in shard_layers if module == source.module]
+        built = [name for module, name, _ in (*shard_layers, *split_layers) if module == source.module]
         rest = {k: v for k, v in state.items() if not any(_within(k, name) for name in built)}
         read.setdefault(source.module, []).extend(
             load_pretrained_tensors(source, rest, plan.aliases.get(source.module, {}))
@@ -215,6 +235,19 @@ def _build_sharded_layer(
         locals_ = {k: _local(v) for k, v in tensors.items()}
         rows = {k: _chunk_rows(v.shape[0], index, count) for k, v in tensors.items() if _local(v) is not v}
         read = load_pretrained_tensors(source, locals_, plan.aliases.get(module, {}), rows)
+    return read
+
+
+def _build_whole_layer(
+    module: str, name: str, layer: nn.Module, plan: ConstructionPlan, device: torch.device, seed: int, skip: set[str]
+) -> list[str]:
+    """Allocate, initialise and load one meta layer of ``module`` whole; return the pretrained keys read."""
+    materialize(layer, seed, device=device, skip=skip, prefix=f"{module}.{name}" if name else module)
+    read: list[str] = []
+    for source in plan.sources:
+        if source.module == module:
+            state = {f"{name}.{k}" if name else k: v for k, v in layer.state_dict(keep_vars=True).items()}
+            read = load_pretrained_tensors(source, state, plan.aliases.get(module, {}))
     return read
 
 

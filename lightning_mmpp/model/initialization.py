@@ -16,7 +16,7 @@ is bitwise the same on every layout and in one process (for the same device type
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Optional, Union
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from lightning_mmpp.errors import PipelineConfigError
 
 __all__ = ["check_materializable", "covered_submodules", "has_meta_tensors", "init_seed", "initialise_submodule",
-           "materialize", "meta_submodules", "uninitialisable_submodules"]
+           "materialize", "meta_submodules", "release", "uninitialisable_submodules"]
 
 
 def init_seed(seed: int, name: str) -> int:
@@ -90,6 +90,15 @@ def _raise_uninitialisable(bad: list[str]) -> None:
     )
 
 
+def release(params: Iterable[nn.Parameter]) -> None:
+    """Put ``params`` back on the meta device, keeping their identity: their storage is freed
+    even while an optimizer or a caller still references them (replaced parameters)."""
+    for param in params:
+        if not param.is_meta:
+            torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="meta"),
+                                                          requires_grad=param.requires_grad))
+
+
 def _allocate(module: nn.Module, device: torch.device) -> None:
     """Give the module's own meta tensors storage on ``device``; parameters keep their identity."""
     for name, param in list(module.named_parameters(recurse=False)):
@@ -107,6 +116,7 @@ def materialize(
     *,
     device: Union[torch.device, str, None] = None,
     skip: Collection[str] = (),
+    prefix: str = "",
 ) -> nn.Module:
     """Allocate and initialise every meta tensor of ``model`` in place (see the module docstring).
 
@@ -118,6 +128,8 @@ def materialize(
         device: where to allocate; default CPU.
         skip: qualified names of submodules to allocate without ``reset_parameters()`` (their
             values come from elsewhere, e.g. pretrained weights).
+        prefix: ``model``'s own qualified name when it is a part of a larger model (a layer
+            ``"llm.3"``): submodule names, seeds and ``skip`` are the larger model's.
 
     Returns:
         ``model``.
@@ -128,7 +140,7 @@ def materialize(
     device = torch.device(device if device is not None else "cpu")
     base = torch.initial_seed() if seed is None else int(seed)
     skip = set(skip)
-    todo = meta_submodules(model)
+    todo = [(_join(prefix, name), m) for name, m in meta_submodules(model)]
     bad = [f"{name or '<root>'} ({type(m).__name__})" for name, m in todo
            if name not in skip and not callable(getattr(m, "reset_parameters", None))]
     if bad:
@@ -139,6 +151,10 @@ def materialize(
         else:
             initialise_submodule(module, name, base, device)
     return model
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def initialise_submodule(module: nn.Module, name: str, seed: int, device: torch.device) -> None:
