@@ -232,3 +232,69 @@ def test_a_channel_receives_into_a_buffer_nothing_references_any_more():
     assert len({first, second, later[0]}) == 3, receiver["pointers"]
     assert len(set(later)) == 1, receiver["pointers"]  # 2, 3, 4 reuse one buffer, freed each time
     assert receiver["pooled"] == [3]  # the channel's peak: messages 0 and 1's buffers and the reused one
+
+
+# --- large leaves travel as their own transfers (no copy into the packed buffer) ------------------
+
+BIG = {0: (512, 512), 1: (600, 512), 2: (600, 512), 3: (512, 512), 4: (8, 8)}  # 4: small again (packed)
+
+
+def _big_value(k: int) -> dict:
+    torch.manual_seed(100 + k)
+    big = torch.randn(*BIG[k])
+    if k == 3:
+        big = big.t()  # not contiguous: sent from one contiguous copy
+    return {"big": big.requires_grad_(), "h": torch.randn(2, 3, requires_grad=True), "k": torch.tensor([k])}
+
+
+def _run_direct(rank: int, world: int) -> dict:
+    comm = _two_stages(rank)
+    fwd = {k: MessageKey(F, "a", "a", k) for k in BIG}
+    bwd = {k: MessageKey(B, "a", "a", k) for k in BIG}
+    out: dict = {}
+    if rank == 0:
+        for ks in ([0], [1], [2, 3], [4]):
+            comm.post({fwd[k]: _big_value(k) for k in ks}, [])
+        comm.post({}, [bwd[k] for k in BIG])
+        grads = {k: comm.take(bwd[k]) for k in reversed(BIG)}
+        out["grads"] = {k: torch.equal(g["big"], torch.full(BIG[k][::-1] if k == 3 else BIG[k], float(k)))
+                        and torch.equal(g["h"], torch.full((2, 3), -float(k))) and g["k"] is None
+                        for k, g in grads.items()}
+    else:
+        for ks in ([0], [1], [2, 3], [4]):
+            comm.post({}, [fwd[k] for k in ks])
+        got = {k: comm.take(fwd[k]) for k in reversed(BIG)}
+        out["ok"] = {k: all(torch.equal(got[k][n], _big_value(k)[n].detach()) for n in ("big", "h", "k"))
+                     and got[k]["big"].requires_grad and not got[k]["k"].requires_grad for k in BIG}
+        comm.post({bwd[k]: {"big": torch.full(tuple(got[k]["big"].shape), float(k)),
+                            "h": torch.full((2, 3), -float(k)), "k": None} for k in BIG}, [])
+    comm.wait_sends()
+    out["metadata"] = comm.stats.metadata_exchanges
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_large_leaves_travel_direct_across_spec_changes():
+    """A leaf of at least DIRECT_LEAF_BYTES is its own transfer beside the packed small leaves,
+    forward and backward, through spec changes (the stale part of an old spec with a direct leaf
+    keeps the parts matched) and back to a small, packed leaf."""
+    sender, receiver = run_distributed(_run_direct, 2, timeout=60)
+    assert receiver["ok"] == {k: True for k in BIG}, receiver
+    assert sender["grads"] == {k: True for k in BIG}, sender
+    assert sender["metadata"] == receiver["metadata"] == 4  # first use, then the changes at 1, 3 and 4
+
+
+def test_wire_layout_and_wire_tensor_share_memory():
+    from lightning_mmpp.engine.payload import DIRECT_LEAF_BYTES, direct_leaf, flatten_payload, wire_tensor
+
+    big = torch.randn(DIRECT_LEAF_BYTES // 4)
+    _, spec = flatten_payload({"a": torch.ones(3), "big": big, "none": None}, "test")
+    wire = spec.data_wire
+    assert wire.direct_indices == (1,) and wire.packed.indices == (0,)
+    assert wire.sizes == [wire.packed.nbytes, DIRECT_LEAF_BYTES]
+    sent = wire_tensor(big, torch.device("cpu"))
+    assert sent.data_ptr() == big.data_ptr() and sent.dtype == torch.uint8  # no copy
+    assert torch.equal(direct_leaf(sent.clone(), wire.direct_metas[0]), big)
+    below = torch.randn(DIRECT_LEAF_BYTES // 4 - 1)
+    _, small = flatten_payload(below, "test")
+    assert small.data_wire.direct_indices == () and small.data_wire.packed.indices == (0,)

@@ -177,3 +177,36 @@ def test_wait_collective_waits_an_async_collective_tensor_and_ignores_others():
     fake = Fake.__new__(Fake, torch.ones(2))
     wait_collective(fake)
     assert waited == [True]
+
+
+def _direct_p2p_worker(rank: int, world: int) -> list[float]:
+    from lightning_mmpp.torch_api import direct_p2p
+
+    send, recv = direct_p2p(None)
+    peer = 1 - rank
+    out = torch.full((3,), float(rank))
+    got = torch.empty(3)
+    # a direct post pairs with dist's own calls in order (same tag), both ways
+    works = [send(out, peer), recv(got, peer)]
+    for work in works:
+        work.wait()
+    second = torch.empty(3)
+    if rank == 0:
+        dist.isend(out + 10, 1).wait()
+        recv(second, 1).wait()
+    else:
+        recv(second, 0).wait()
+        dist.isend(out + 10, 0).wait()
+    return got.tolist() + second.tolist()
+
+
+@pytest.mark.distributed
+def test_direct_p2p_posts_on_the_group_like_isend_irecv():
+    """``direct_p2p``'s send / recv are the process group's ``send([t], group_rank, tag)`` /
+    ``recv``: they pair with ``dist.isend`` / ``irecv`` of the peer in order. If this fails, the
+    communicator's gloo fast path no longer matches torch's."""
+    from tests.dist import run_distributed
+
+    got = run_distributed(_direct_p2p_worker, 2, timeout=60)
+    assert got[0] == [1.0] * 3 + [11.0] * 3
+    assert got[1] == [0.0] * 3 + [10.0] * 3

@@ -53,6 +53,10 @@ class Direction(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
 
+    # members are singletons: hash by identity (C-level) instead of Enum's Python-level hash of
+    # the name, computed for every message key on the hot path of a step
+    __hash__ = object.__hash__
+
     def __lt__(self, other: "Direction") -> bool:  # canonical order for sorting keys
         return self.value > other.value  # forward before backward
 

@@ -57,10 +57,11 @@ tensor leaf detached (``requires_grad`` kept), and gradients are handed back as 
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -72,18 +73,21 @@ from lightning_mmpp.engine.payload import (
     FLAG_DATA,
     FLAG_STALE,
     HEADER_BYTES,
-    BufferLayout,
     PayloadSpec,
+    WireLayout,
     concat_payloads,
+    direct_leaf,
     flatten_payload,
     leaf_batch_dims,
     pack,
     pack_header,
     split_payload,
     unpack,
+    wire_tensor,
 )
 from lightning_mmpp.core.placement import BridgePeer, PipelineLayout, StageSlot
 from lightning_mmpp.engine.microbatch import SampleRouting
+from lightning_mmpp.torch_api import direct_p2p
 
 __all__ = ["BACKWARD", "FORWARD", "CommStats", "Direction", "MessageKey", "MultiModuleCommunicator", "message_tag"]
 
@@ -91,6 +95,7 @@ FORWARD = Direction.FORWARD
 BACKWARD = Direction.BACKWARD
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def message_tag(key: MessageKey) -> int:
     """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it."""
     text = f"{key.direction.value}|{key.src_module}|{key.dst_module}|{key.microbatch}"
@@ -154,7 +159,7 @@ class _PeerState:
 class _Outgoing:
     order: tuple[Any, ...]
     peer: int
-    parts: list[torch.Tensor]
+    parts: list[list[torch.Tensor]]  # per round: the tensors sent in it, in order
 
 
 class _Incoming:
@@ -168,10 +173,31 @@ class _Incoming:
         self.peer = peer
         self.order = order
         self.buffer: Optional[torch.Tensor] = None
+        self.direct: list[torch.Tensor] = []  # the direct leaves' buffers of a data part
         self.done = False
 
-    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
+    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
+        """The buffers of the next part, in the order the sender sends them."""
         raise NotImplementedError
+
+    def data_buffers(self, wire: WireLayout, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
+        """A data part's buffers: the packed one, then one per direct leaf (each pooled by its
+        own slot of the channel)."""
+        slot = self.channel_slot
+        self.buffer = pool.get(slot, wire.packed.nbytes, device)
+        self.direct = [pool.get((*slot, index), meta.nbytes, device)
+                       for index, meta in zip(wire.direct_indices, wire.direct_metas)]
+        return [self.buffer, *self.direct]
+
+    def leaves(self, spec: PayloadSpec, wire: WireLayout) -> list[Optional[torch.Tensor]]:
+        """The received message's leaves (views into its buffers), ``None`` where nothing travels."""
+        assert self.buffer is not None
+        leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
+        for index, tensor in zip(wire.packed.indices, unpack(self.buffer, wire.packed)):
+            leaves[index] = tensor
+        for index, meta, buffer in zip(wire.direct_indices, wire.direct_metas, self.direct):
+            leaves[index] = direct_leaf(buffer, meta)
+        return leaves
 
     def steady(self) -> bool:
         """Whether the received buffer is the whole message when the spec did not change."""
@@ -221,15 +247,16 @@ class _ForwardIncoming(_Incoming):
         self.part = _Part.DATA if cached is not None else _Part.LENGTH
         self.spec_len = 0
 
-    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
+    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
-            self.buffer = pool.get(self.channel_slot, self.spec.data_layout.nbytes, device)
-        elif self.part is _Part.LENGTH:
+            return self.data_buffers(self.spec.data_wire, device, pool)
+        self.direct = []
+        if self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
         else:
             self.buffer = torch.empty(self.spec_len, dtype=torch.uint8, device=device)
-        return self.buffer
+        return [self.buffer]
 
     def steady(self) -> bool:
         return self.part is _Part.DATA
@@ -269,11 +296,10 @@ class _BackwardIncoming(_Incoming):
     def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], spec: PayloadSpec) -> None:
         super().__init__(key, peer, order)
         self.spec = spec
-        self.layout: BufferLayout = spec.grad_layout
+        self.wire: WireLayout = spec.grad_wire
 
-    def next_buffer(self, device: torch.device, pool: "_ReceiveBuffers") -> torch.Tensor:
-        self.buffer = pool.get(self.channel_slot, self.layout.nbytes, device)
-        return self.buffer
+    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
+        return self.data_buffers(self.wire, device, pool)
 
     def steady(self) -> bool:
         return True
@@ -460,6 +486,8 @@ class MultiModuleCommunicator:
         # the layout is fixed: this rank's slot and the peers at the other end of each edge,
         # resolved on first use (key: this end's module, the other end's, downstream, the key's chunks)
         self._peer_cache: dict[tuple[str, str, bool, int, int], tuple[StageSlot, list[BridgePeer]]] = {}
+        # (send, recv) straight on the process group (CPU / gloo), made at the first post
+        self._direct: Optional[tuple[Any, Any]] = None
 
     # --- public API ----------------------------------------------------------------------
 
@@ -509,7 +537,7 @@ class MultiModuleCommunicator:
         # Planning validates every payload and may raise; it must then leave no trace, so that
         # an error surfaces before any message is posted and with the caches still consistent.
         saved = (dict(self._send_cache), dict(self._sent), dict(self._received), dict(self._mailbox),
-                 replace(self.stats))
+                 dict(vars(self.stats)))
         outgoing: list[_Outgoing] = []
         pending: list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]] = []
         incoming: list[_Incoming] = []
@@ -526,7 +554,8 @@ class MultiModuleCommunicator:
                 pending.append((key, sources))
                 incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
         except BaseException:
-            self._send_cache, self._sent, self._received, self._mailbox, self.stats = saved
+            self._send_cache, self._sent, self._received, self._mailbox, stats = saved
+            vars(self.stats).update(stats)
             raise
         groups = self._post_batch(outgoing, incoming)
         for key, sources in pending:
@@ -575,6 +604,7 @@ class MultiModuleCommunicator:
         """Forget every send and receive in flight (after a failure: the works hold the process
         group, which must be able to close)."""
         self._pending_sends, self._inbox, self._open, self._deferred = [], {}, {}, []
+        self._direct = None  # a new process group may follow
 
     def begin_step(self, training: bool) -> None:
         """Start a step: ``training`` (backwards follow) or forward-only. The runtime calls it
@@ -730,8 +760,8 @@ class MultiModuleCommunicator:
                 self._mailbox[key] = handed
                 self.stats.local_handovers += 1
                 continue
-            tensors = [leaves[i] for i in spec.data_layout.indices]
-            parts: list[torch.Tensor] = []
+            wire = spec.data_wire
+            parts: list[list[torch.Tensor]] = []
             channel = _channel(self.rank, peer.rank, key, self._training)
             cached = self._send_cache.get(channel)
             if cached != spec:
@@ -742,16 +772,17 @@ class MultiModuleCommunicator:
                         "must send the same shapes and dtypes. Pad to fixed shapes, or pass static_shapes=False "
                         "to MultiModulePipelineStrategy (a changed spec is then sent along)."
                     )
-                if cached is not None:
-                    parts.append(pack_header(cached.data_layout.nbytes, self.device, FLAG_STALE, message_tag(key)))
+                if cached is not None:  # the parts the peer expects of the old spec, header flagged stale
+                    old = cached.data_wire
+                    parts.append([pack_header(old.packed.nbytes, self.device, FLAG_STALE, message_tag(key))]
+                                 + [torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+                                    for m in old.direct_metas])
                 blob = spec.to_bytes()
-                parts.append(torch.tensor([len(blob)], dtype=torch.int64, device=self.device))
-                parts.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
+                parts.append([torch.tensor([len(blob)], dtype=torch.int64, device=self.device)])
+                parts.append([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)])
                 self._send_cache[channel] = spec
                 self.stats.metadata_exchanges += 1
-            reuse = self._send_buffer(peer.rank, key, spec.data_layout.nbytes)
-            parts.append(pack(tensors, spec.data_layout, self.device, FLAG_DATA, message_tag(key), out=reuse))
-            self._keep_send_buffer(peer.rank, key, parts[-1])
+            parts.append(self._data_part(peer.rank, key, leaves, wire))
             outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
         self._sent[key.edge] = states
 
@@ -811,11 +842,18 @@ class MultiModuleCommunicator:
                 self._mailbox[key] = spec.unflatten(chunk)
                 self.stats.local_handovers += 1
                 continue
-            tensors = [chunk[i] for i in spec.grad_layout.indices]
-            reuse = self._send_buffer(peer_state.rank, key, spec.grad_layout.nbytes)
-            buffer = pack(tensors, spec.grad_layout, self.device, FLAG_DATA, message_tag(key), out=reuse)
-            self._keep_send_buffer(peer_state.rank, key, buffer)
-            outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [buffer]))
+            part = self._data_part(peer_state.rank, key, chunk, spec.grad_wire)
+            outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [part]))
+
+    def _data_part(self, peer: int, key: MessageKey, leaves: Sequence[Optional[torch.Tensor]],
+                   wire: WireLayout) -> list[torch.Tensor]:
+        """The tensors of a data part to ``peer``: the small leaves packed (into the channel's
+        previous buffer when it is free), then every direct leaf's own memory (no copy)."""
+        reuse = self._send_buffer(peer, key, wire.packed.nbytes)
+        packed = [leaves[i] for i in wire.packed.indices]
+        buffer = pack(packed, wire.packed, self.device, FLAG_DATA, message_tag(key), out=reuse)  # type: ignore[arg-type]
+        self._keep_send_buffer(peer, key, buffer)
+        return [buffer, *(wire_tensor(leaves[i], self.device) for i in wire.direct_indices)]  # type: ignore[arg-type]
 
     def _send_buffer(self, peer: int, key: MessageKey, nbytes: int) -> Optional[torch.Tensor]:
         """The packed buffer of the last message on this (peer, direction, edge) channel, to
@@ -907,23 +945,22 @@ class MultiModuleCommunicator:
         for round_index in range(rounds):
             sends = [m for m in outgoing if round_index < len(m.parts)]
             recvs = incoming if round_index == 0 else []
-            ops: list[dist.P2POp] = []
+            send_parts: list[tuple[torch.Tensor, int]] = []
             for msg in sends:
-                buffer = msg.parts[round_index]
-                ops.append(dist.P2POp(dist.isend, buffer, msg.peer, self.group))
+                for buffer in msg.parts[round_index]:
+                    send_parts.append((buffer, msg.peer))
+                    self.stats.bytes_sent += buffer.numel() * buffer.element_size()
                 self.stats.messages_sent += 1
-                self.stats.bytes_sent += buffer.numel() * buffer.element_size()
-            for msg in recvs:
-                ops.append(self._recv_op(msg))
-            works = dist.batch_isend_irecv(ops)
+            recv_parts = [part for msg in recvs for part in self._recv_parts(msg)]
+            works = self._post_parts(send_parts, recv_parts)
             self.stats.rounds += 1
-            if len(works) == len(ops):  # one work per op (gloo)
+            if len(works) == len(send_parts) + len(recv_parts):  # one work per op (gloo)
                 self._pending_sends.extend(
-                    (w, m.parts[round_index], round_index > 0) for w, m in zip(works[: len(sends)], sends)
+                    (w, buffer, round_index > 0) for w, (buffer, _) in zip(works[: len(send_parts)], send_parts)
                 )
-                recv_works = works[len(sends):]
+                recv_works = works[len(send_parts):]
                 for peer, msgs in by_peer.items() if recvs else ():
-                    mine = [w for w, m in zip(recv_works, recvs) if m.peer == peer]
+                    mine = [w for w, (_, p) in zip(recv_works, recv_parts) if p == peer]
                     groups[peer] = _Group(peer, msgs, list(msgs), mine)
             else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
                 self._pending_sends.extend((w, None, False) for w in works)
@@ -932,11 +969,28 @@ class MultiModuleCommunicator:
         self._open.update(groups)
         return groups
 
-    def _recv_op(self, msg: _Incoming) -> dist.P2POp:
-        buffer = msg.next_buffer(self.device, self._recv_buffers)
+    def _post_parts(self, sends: list[tuple[torch.Tensor, int]],
+                    recvs: list[tuple[torch.Tensor, int]]) -> list[Any]:
+        """Post one batch: every ``(buffer, peer)`` of ``sends`` and ``recvs``, sends first; the
+        works in that order (one per op), or a backend's coalesced works (NCCL).
+
+        On CPU (gloo, which does not coalesce: ``batch_isend_irecv`` posts op by op there) the
+        ops go straight to the process group (:func:`~lightning_mmpp.torch_api.direct_p2p`), the
+        same calls in the same order without torch's per-op wrappers."""
+        if self.device.type == "cpu":
+            if self._direct is None:
+                self._direct = direct_p2p(self.group)
+            send, recv = self._direct
+            return [send(buffer, peer) for buffer, peer in sends] + [recv(buffer, peer) for buffer, peer in recvs]
+        ops = [dist.P2POp(dist.isend, buffer, peer, self.group) for buffer, peer in sends]
+        ops += [dist.P2POp(dist.irecv, buffer, peer, self.group) for buffer, peer in recvs]
+        return dist.batch_isend_irecv(ops)
+
+    def _recv_parts(self, msg: _Incoming) -> list[tuple[torch.Tensor, int]]:
+        buffers = msg.next_buffers(self.device, self._recv_buffers)
         self.stats.messages_received += 1
-        self.stats.bytes_received += buffer.numel() * buffer.element_size()
-        return dist.P2POp(dist.irecv, buffer, msg.peer, self.group)
+        self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)
+        return [(buffer, msg.peer) for buffer in buffers]
 
     def _complete(self, group: "_Group") -> None:
         """Wait for ``group``'s current round, read its headers, and run the further rounds a
@@ -951,7 +1005,7 @@ class MultiModuleCommunicator:
                 if self._open.get(group.peer) is group:
                     del self._open[group.peer]
                 return
-            group.works = dist.batch_isend_irecv([self._recv_op(m) for m in group.current])
+            group.works = self._post_parts([], [part for m in group.current for part in self._recv_parts(m)])
             self.stats.rounds += 1
 
     def _advance(self, recvs: Sequence[_Incoming]) -> None:
@@ -992,9 +1046,7 @@ class MultiModuleCommunicator:
             else:
                 assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
                 spec = src.spec
-                leaves = [None] * spec.num_leaves
-                for index, tensor in zip(spec.data_layout.indices, unpack(src.buffer, spec.data_layout)):
-                    leaves[index] = tensor
+                leaves = src.leaves(spec, spec.data_wire)
             chunks.append(leaves)
             states.append(_PeerState(peer.rank, peer.chunk, spec))
         if len(chunks) == 1:
@@ -1033,11 +1085,7 @@ class MultiModuleCommunicator:
                 grads.append(src)
                 continue
             assert isinstance(src, _BackwardIncoming) and src.buffer is not None
-            spec = src.spec
-            leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
-            for index, tensor in zip(spec.grad_layout.indices, unpack(src.buffer, src.layout)):
-                leaves[index] = tensor
-            grads.append(spec.unflatten(leaves))
+            grads.append(src.spec.unflatten(src.leaves(src.spec, src.wire)))
         if len(grads) == 1:
             return grads[0]
         return concat_payloads(grads, self._batch_dim(key), self._bridge_context(key, "fan-out gradients"))

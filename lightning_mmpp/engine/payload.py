@@ -41,6 +41,7 @@ __all__ = [
     "FLAG_STALE",
     "HEADER_BYTES",
     "BufferLayout",
+    "DIRECT_LEAF_BYTES",
     "PayloadSpec",
     "TensorMeta",
     "concat_payloads",
@@ -51,6 +52,9 @@ __all__ = [
     "read_header",
     "split_payload",
     "unpack",
+    "WireLayout",
+    "direct_leaf",
+    "wire_tensor",
 ]
 
 HEADER_BYTES = 16
@@ -125,6 +129,54 @@ class BufferLayout:
         return cls(tuple(indices), tuple(metas), tuple(offsets), cursor)
 
 
+DIRECT_LEAF_BYTES = 1 << 20
+"""A tensor leaf of at least this many bytes travels as its own transfer, without a copy into
+the packed buffer (see :class:`WireLayout`); smaller leaves are packed together."""
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """How one message travels: its small leaves packed into one buffer (``packed``, header
+    included), each large leaf (at least :data:`DIRECT_LEAF_BYTES`) as a transfer of its own,
+    straight from / into the tensor's memory (``direct_indices`` / ``direct_metas``, in leaf
+    order, after the packed buffer). Copying a large leaf into a packed buffer costs a pass over
+    its bytes on the sender's critical path; one more transfer costs a fixed few tens of us.
+    """
+
+    packed: BufferLayout
+    direct_indices: tuple[int, ...]
+    direct_metas: tuple[TensorMeta, ...]
+
+    @classmethod
+    def build(cls, indices: Sequence[int], metas: Sequence[TensorMeta],
+              direct_bytes: Optional[int] = None) -> "WireLayout":
+        """``direct_bytes``: the threshold (default :data:`DIRECT_LEAF_BYTES`); both ends of a
+        channel must use the same."""
+        if direct_bytes is None:
+            direct_bytes = DIRECT_LEAF_BYTES
+        packed = [(i, m) for i, m in zip(indices, metas) if m.nbytes < direct_bytes]
+        direct = [(i, m) for i, m in zip(indices, metas) if m.nbytes >= direct_bytes]
+        return cls(BufferLayout.build([i for i, _ in packed], [m for _, m in packed]),
+                   tuple(i for i, _ in direct), tuple(m for _, m in direct))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each transfer of the message: the packed buffer, then every direct leaf."""
+        return [self.packed.nbytes, *(meta.nbytes for meta in self.direct_metas)]
+
+
+def wire_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor``'s bytes as a 1-d ``uint8`` tensor on ``device`` to send as a direct leaf: a
+    view of its memory when it is contiguous and on ``device`` (no copy), else one copy."""
+    flat = tensor.detach().to(device).contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def direct_leaf(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """The leaf of ``meta`` received as a direct transfer into the ``uint8`` ``buffer`` (a view)."""
+    return buffer.view(meta.dtype).view(meta.shape)
+
+
 @dataclass(frozen=True)
 class PayloadSpec:
     """The metadata of a payload: tree structure plus per-leaf :class:`TensorMeta` (or ``None``).
@@ -181,6 +233,16 @@ class PayloadSpec:
     def grad_layout(self) -> BufferLayout:
         """Layout of a backward message: the gradients of the leaves that require grad."""
         return BufferLayout.build(self.grad_indices, [self.leaves[i] for i in self.grad_indices])
+
+    @functools.cached_property
+    def data_wire(self) -> WireLayout:
+        """How a forward message of this spec travels (large leaves direct, see :class:`WireLayout`)."""
+        return WireLayout.build(self.tensor_indices, [self.leaves[i] for i in self.tensor_indices])
+
+    @functools.cached_property
+    def grad_wire(self) -> WireLayout:
+        """How a backward message of this spec travels."""
+        return WireLayout.build(self.grad_indices, [self.leaves[i] for i in self.grad_indices])
 
     def unflatten(self, leaves: Sequence[Any]) -> Any:
         """Rebuild a payload of this structure from its leaves (in flattening order)."""

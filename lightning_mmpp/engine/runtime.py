@@ -182,9 +182,29 @@ def _grad_payload(payload: Any) -> Any:
 
 def _payload_bytes(payload: Any) -> int:
     """Bytes of the distinct tensors in a pytree (a tensor passed through twice counts once)."""
-    seen = {(t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size()
-            for t in tree_flatten(payload)[0] if isinstance(t, Tensor)}
+    seen: dict[tuple[int, torch.dtype, int], int] = {}
+    _tensor_bytes(payload, seen)
     return sum(seen.values())
+
+
+def _tensor_bytes(node: Any, seen: dict[tuple[int, torch.dtype, int], int]) -> None:
+    """Add the tensors of ``node`` to ``seen`` (by storage address, dtype and size). Plain
+    tuples, lists and dicts are walked here, without building a pytree spec per action; any
+    other container (a namedtuple, a registered pytree node) goes through ``tree_flatten``."""
+    kind = type(node)
+    if isinstance(node, Tensor):
+        numel = node.numel()
+        seen[(node.data_ptr(), node.dtype, numel)] = numel * node.element_size()
+    elif kind is tuple or kind is list:
+        for item in node:
+            _tensor_bytes(item, seen)
+    elif kind is dict:
+        for item in node.values():
+            _tensor_bytes(item, seen)
+    elif node is not None:
+        for leaf in tree_flatten(node)[0]:
+            if isinstance(leaf, Tensor):
+                _tensor_bytes(leaf, seen)
 
 
 def _add_payloads(a: Any, b: Any) -> Any:

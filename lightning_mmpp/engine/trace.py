@@ -158,14 +158,27 @@ class Tracer:
         return path
 
 
+class _NoSpan:
+    """The span of :data:`NULL_TRACER`: a reusable ``with`` block that does nothing (no
+    generator per span, as ``contextmanager`` would make)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
 class _NullTracer:
     enabled = False
     events: list[dict[str, Any]] = []
     step = 0
 
-    @contextmanager
-    def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
-        yield
+    def span(self, name: str, cat: str, **args: Any) -> _NoSpan:
+        return _NO_SPAN
 
     def record(self, name: str, cat: str, start_ns: int, end_ns: int, track: int = 0, **args: Any) -> None:
         pass
