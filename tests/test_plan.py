@@ -104,6 +104,24 @@ def test_top_plan_matches_exhaustive_search():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
+def test_pruned_search_returns_the_exhaustive_top_plans(schedule):
+    """With tolerance 0 the bounds (enumeration, compute-only fill, cost model) only skip
+    candidates that cannot be among the best: the same top plans as simulating everything,
+    also where memory switches shard / recompute on."""
+    tight = encoders_and_lm()
+    limit = plan_placements(tight, 6, top_k=1, schedules=(schedule,))[0].max_memory_bytes * 0.5
+    for profile, world, limits in ((heterogeneous(batch=16), 5, {}), (encoders_and_lm(), 6, {}),
+                                   (tight, 6, {"memory_limit_bytes": limit})):
+        everything = plan_placements(profile, world, top_k=10_000, exhaustive=True, schedules=(schedule,), **limits)
+        pruned = plan_placements(profile, world, top_k=3, tolerance=0.0, schedules=(schedule,), **limits)
+        assert [p.step_time_s for p in pruned] == pytest.approx([p.step_time_s for p in everything[:3]])
+        assert pruned[0].placements == everything[0].placements or \
+            pruned[0].step_time_s == pytest.approx(everything[1].step_time_s)  # a tie
+    flagged = plan_placements(tight, 6, top_k=1, memory_limit_bytes=limit, schedules=(schedule,))[0]
+    assert any(p.shard or p.recompute for p in flagged.placements.values()), flagged.describe()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
 def test_lower_bound_never_exceeds_the_simulated_step(schedule):
     """Pruning is exact only if the bound holds for every candidate the search could skip."""
     for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6)):

@@ -380,6 +380,78 @@ def _one_sample_path(space: _Space, placements: dict[str, ModulePlacement]) -> f
     return max(longest.values(), default=0.0)
 
 
+@dataclass(frozen=True)
+class _FillBound:
+    """A structure's compute-only path bound as a function of ``m`` (see :func:`_fill_bound`):
+    per rank ``busy + fill / m``, per trained stage ``backward + trip / m`` (1F1B and GPipe)."""
+
+    ranks: tuple[tuple[float, float, float], ...]  # (busy, fill path + drain path, fill path) per step
+    stages: tuple[tuple[float, float], ...]  # (all backwards, head + forward + round trip + tail) per step
+
+    def at(self, m: int, schedule: ScheduleName) -> float:
+        """The bound for ``m`` microbatches under ``schedule`` (seconds, without the step overhead)."""
+        if schedule is ScheduleName.ZERO_BUBBLE:  # the last compute may be a W nothing waits for
+            return max(busy + head / m for busy, _, head in self.ranks)
+        bound = max(busy + path / m for busy, path, _ in self.ranks)
+        return max(bound, max((backward + trip / m for backward, trip in self.stages), default=0.0))
+
+
+def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
+    """:func:`_path_bound` on the structure's compute alone (no transfers, collectives,
+    framework overhead or flags, which only add to every cost; an in-flight limit of ``m``, the
+    most it can be), in closed form in ``m``: a stage's compute per microbatch is its compute
+    per step over ``m``. Every term of the path bound is a sum, max or min of nonnegative
+    costs, so this is at most the cost model's bound for any flags: it rules out candidates
+    whose fill and drain alone exceed the step to beat, before their cost model is built."""
+    profile = space.profile
+    scale = profile.batch_size / profile.profile_batch_size
+    pp_of = {m: g.pp for g in structure.groups for m in g.modules}
+    dp_of = {m: g.dp for g in structure.groups for m in g.modules}
+    where: dict[str, tuple[int, int]] = {}  # module -> (group, first stage's position)
+    for i, g in enumerate(structure.groups):
+        for m in g.modules:
+            where[m] = (i, 0)
+    attached: dict[str, list[tuple[str, bool]]] = {}
+    for m, host, stage in structure.beside:
+        pp_of[m], dp_of[m] = 1, dp_of[host]
+        where[m] = (where[host][0], stage)
+        attached.setdefault(host, []).append((m, stage == 0))
+    forward: dict[tuple[str, int], float] = {}
+    backward: dict[tuple[str, int], float] = {}
+    for m in space.order:
+        layers = profile.modules[m].layers
+        trains = m not in space.no_backward
+        extra = space.beside_work(m, attached.get(m, []))
+        for s, r in enumerate(space.split(m, pp_of[m], extra)):
+            forward[(m, s)] = sum(layers[i].forward_s for i in r) * scale / dp_of[m]
+            backward[(m, s)] = sum(layers[i].backward_s for i in r) * scale / dp_of[m] if trains else 0.0
+    head: dict[tuple[str, int], float] = {}
+    tail: dict[tuple[str, int], float] = {}
+    for m in space.order:
+        for s in range(pp_of[m]):
+            preds = [(m, s - 1)] if s else [(u, pp_of[u] - 1) for u in space.upstream[m]]
+            head[(m, s)] = max((head[q] + forward[q] for q in preds), default=0.0)
+            tail[(m, s)] = max((tail[q] + backward[q] for q in preds), default=0.0)
+    trip: dict[tuple[str, int], float] = {}
+    for m in reversed(space.order):
+        for s in reversed(range(pp_of[m])):
+            succs = [(m, s + 1)] if s + 1 < pp_of[m] else [(d, 0) for d in profile.topology[m]]
+            trip[(m, s)] = max((trip[q] + forward[q] + backward[q] for q in succs), default=0.0)
+    by_rank: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for m in space.order:
+        group, first = where[m]
+        for s in range(pp_of[m]):
+            by_rank.setdefault((group, first + s), []).append((m, s))
+    ranks = []
+    for keys in by_rank.values():
+        busy = sum(forward[k] + backward[k] for k in keys)
+        fill = min(head[k] for k in keys)
+        ranks.append((busy, fill + min(tail[k] for k in keys), fill))
+    stages = tuple((backward[k], head[k] + forward[k] + trip[k] + tail[k])
+                   for k in forward if k[0] not in space.no_backward)
+    return _FillBound(tuple(ranks), stages)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -694,7 +766,7 @@ def _make_space(profile: ModelProfile, world_size: int, memory_limit: Optional[f
                   memory_limit=memory_limit, allow_shard=allow_shard)
 
 
-# (lower bound, order, level, structure, microbatches, schedule, (flags, cost model, bound) from level 1)
+# (lower bound, order, level, structure, microbatches, schedule, (flags, cost model, bound) from level 2)
 _Candidate = tuple[float, int, int, _Structure, int, ScheduleName, Optional[tuple]]
 
 
@@ -710,6 +782,7 @@ class _Search:
         self.best: list[Plan] = []
         self.evaluated: set = set()
         self.seen_plans: set = set()
+        self.fill_bounds: dict = {}
 
     def hopeless(self, bound: float) -> bool:
         """Whether a candidate whose step is at least ``bound`` can be skipped."""
@@ -748,8 +821,10 @@ class _Search:
 
     def run(self, queue: list[_Candidate]) -> None:
         """Best first over lower bounds, refined lazily: level 0 is the structure's busiest rank
-        (cheap), level 1 the cost model's path bound with the shard / recompute flags memory
-        needs (built only for candidates that level 0 cannot rule out), then the simulation."""
+        and one microbatch's round trip (free from the enumeration), level 1 the path bound on
+        the structure's compute alone (:func:`_fill_bound`, once per structure), level 2 the
+        cost model's path bound with the shard / recompute flags memory needs (built only for
+        candidates that level 1 cannot rule out), then the simulation."""
         heapq.heapify(queue)
         count = len(queue)
         while queue:
@@ -757,9 +832,14 @@ class _Search:
             if self.hopeless(bound):
                 break
             if level == 0:
+                fill = self.fill_bound(structure).at(m, schedule) + self.evaluator.metrics_s
+                heapq.heappush(queue, (max(bound, fill), count, 1, structure, m, schedule, None))
+                count += 1
+                continue
+            if level == 1:
                 chosen = self.evaluator.choose_flags(structure, m, schedule)
                 if chosen is not None:
-                    heapq.heappush(queue, (max(bound, chosen[2]), count, 1, structure, m, schedule, chosen))
+                    heapq.heappush(queue, (max(bound, chosen[2]), count, 2, structure, m, schedule, chosen))
                     count += 1
                 continue
             flags, cost, _ = chosen
@@ -768,6 +848,14 @@ class _Search:
                 self.seen_plans.add(_plan_key(plan))
                 self.best.append(plan)
                 self.best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
+
+    def fill_bound(self, structure: _Structure) -> _FillBound:
+        """:func:`_fill_bound` of ``structure``, computed once."""
+        key = (structure.groups, structure.beside)
+        bound = self.fill_bounds.get(key)
+        if bound is None:
+            bound = self.fill_bounds[key] = _fill_bound(self.space, structure)
+        return bound
 
 
 def _raise_nothing_fits(space: _Space, evaluator: _Evaluator, limit: Optional[float], world_size: int) -> None:
