@@ -26,6 +26,11 @@ last gradients cross them back).
 receive buffer per message (the communicator's ``reuse_receive_buffers=False``) against the
 default pooled buffers.
 
+``--direct`` adds, interleaved in the same rounds, the overlapped runtime with every leaf
+copied into the packed buffer (the communicator's ``direct_leaf_bytes`` above every payload)
+against the default, where a leaf of at least ``DIRECT_LEAF_BYTES`` (1 MiB) travels as a
+transfer of its own, without a copy.
+
 ``--trace PNG`` also draws one overlapped step with the large payload (``plot_trace.py``:
 receives in flight as thin bars under each rank's computes).
 """
@@ -73,18 +78,21 @@ def one_way_seconds(rank: int, nbytes: int, repeats: int = 11) -> float:
 
 
 def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str, int], rounds: int,
-           steps: int, trace_dir: Optional[str], pool_ablation: bool = False
+           steps: int, trace_dir: Optional[str], pool_ablation: bool = False, direct_ablation: bool = False
            ) -> tuple[dict[str, list[float]], dict[str, float]]:
     raw = {label: one_way_seconds(rank, nbytes) for label, nbytes in sizes.items()}
     runs = {}
-    modes = [("overlap", True, True), ("blocking", False, True)]
+    packed = 1 << 62  # direct_leaf_bytes above any payload: every leaf copied into the packed buffer
+    modes = [("overlap", True, True, None), ("blocking", False, True, None)]
     if pool_ablation:
-        modes.append(("overlap fresh", True, False))
+        modes.append(("overlap fresh", True, False, None))
+    if direct_ablation:
+        modes.append(("overlap packed", True, True, packed))
     for label, nbytes in sizes.items():
         rows = max(1, nbytes // (4 * 1024))
-        for mode, overlap, pooled in modes:
+        for mode, overlap, pooled, direct in modes:
             pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), overlap=overlap,
-                               pass_through=True, reuse_receive_buffers=pooled)
+                               pass_through=True, reuse_receive_buffers=pooled, direct_leaf_bytes=direct)
             runs[f"{label} {mode}"] = (lambda p=pipe: p.step()[0])
     times = interleaved(runs, rounds, steps)
     if trace_dir is not None:  # two traced steps with the large payload, overlapped
@@ -95,6 +103,22 @@ def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str,
             pipe.step()
         pipe.close()  # writes the trace
     return times, raw
+
+
+def ablation(times: dict[str, list[float]], sizes: dict[str, int], steps: int, title: str, column: str,
+             default: tuple[str, str], other: tuple[str, str]) -> None:
+    """Print the default overlapped runtime against one changed setting, run in the same rounds."""
+    small, large = sizes
+    section(title)
+    rows = []
+    for mode, name in (default, other):
+        s, l = median(times[f"{small} {mode}"]), median(times[f"{large} {mode}"])
+        rows.append((name, f"{s * 1000:.1f}", f"{l * 1000:.1f}", f"{l / s:.3f}"))
+    print(table([column, f"{small} ms", f"{large} ms", "large / small"], rows))
+    ours, theirs = (times[f"{large} {mode}"] for mode, _ in (default, other))
+    per_round = [median(ours[i:i + steps]) / median(theirs[i:i + steps]) for i in range(0, len(ours), steps)]
+    print(f"{large}: {default[1]} / {other[1]} {median(ours) / median(theirs):.3f} "
+          f"(per round: {' '.join(f'{r:.2f}' for r in per_round)})")
 
 
 def main() -> None:
@@ -109,16 +133,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--receive-pool", action="store_true",
                         help="also run the overlapped runtime without pooled receive buffers, interleaved")
+    parser.add_argument("--direct", action="store_true",
+                        help="also run the overlapped runtime with every leaf packed (no direct transfers), interleaved")
     parser.add_argument("--trace", metavar="PNG", help="draw one overlapped step with the large payload")
     args = parser.parse_args()
     sizes = {f"{args.small_kib:g} KiB": int(args.small_kib * KIB), f"{args.large_mib:g} MiB": int(args.large_mib * KIB * KIB)}
     print(f"$ python benchmarks/bench_overlap.py --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
           f"--small-kib {args.small_kib:g} --large-mib {args.large_mib:g} --rounds {args.rounds} --steps {args.steps}"
-          + (" --receive-pool" if args.receive_pool else ""))
+          + (" --receive-pool" if args.receive_pool else "") + (" --direct" if args.direct else ""))
     print(f"({machine()})")
     trace_dir = tempfile.mkdtemp(prefix="overlap_trace_") if args.trace else None
     times, raw = run_distributed(worker, args.pp, args.m, args.tf, args.tb, sizes, args.rounds, args.steps,
-                                 trace_dir, args.receive_pool, timeout=900)[0]
+                                 trace_dir, args.receive_pool, args.direct, timeout=900)[0]
     ideal = (args.m + args.pp - 1) * (args.tf + args.tb)
     small, large = sizes
     rows = []
@@ -128,17 +154,11 @@ def main() -> None:
     section(f"1F1B, {args.pp}-stage chain, m={args.m}, ideal {ideal * 1000:.0f} ms")
     print(table(["runtime", f"{small} ms", f"{large} ms", "large / small", "small / ideal", "large / ideal"], rows))
     if args.receive_pool:
-        section("overlapped, receive buffers pooled (default) vs a fresh buffer per message")
-        rows = []
-        for mode, name in (("overlap", "pooled"), ("overlap fresh", "fresh")):
-            s, l = median(times[f"{small} {mode}"]), median(times[f"{large} {mode}"])
-            rows.append((name, f"{s * 1000:.1f}", f"{l * 1000:.1f}", f"{l / s:.3f}"))
-        pooled, fresh = (median(times[f"{large} {mode}"]) for mode in ("overlap", "overlap fresh"))
-        print(table(["receive buffers", f"{small} ms", f"{large} ms", "large / small"], rows))
-        n = args.steps
-        per_round = [median(times[f"{large} overlap"][i:i + n]) / median(times[f"{large} overlap fresh"][i:i + n])
-                     for i in range(0, len(times[f"{large} overlap"]), n)]
-        print(f"{large}: pooled / fresh {pooled / fresh:.3f} (per round: {' '.join(f'{r:.2f}' for r in per_round)})")
+        ablation(times, sizes, args.steps, "overlapped, receive buffers pooled (default) vs a fresh buffer per message",
+                 "receive buffers", ("overlap", "pooled"), ("overlap fresh", "fresh"))
+    if args.direct:
+        ablation(times, sizes, args.steps, "overlapped, leaves >= 1 MiB sent direct (default) vs every leaf packed",
+                 "large leaves", ("overlap", "direct"), ("overlap packed", "packed"))
     layout = chain(args.pp)
     schedule = build_schedule(layout, args.m, "1f1b")
     section("one gloo transfer, and the simulator with it as the per-transfer latency")

@@ -200,12 +200,13 @@ class OurPipeline:
     def __init__(self, layout: PipelineLayout, rank: int, m: int, tf: float, tb: float,
                  mb_shape: Sequence[int] = (8, 1024), trace_dir: Optional[str] = None, seed: int = 0,
                  tw: Optional[float] = None, overlap: bool = True, pass_through: bool = False,
-                 static_specs: bool = False, reuse_receive_buffers: bool = True) -> None:
+                 static_specs: bool = False, reuse_receive_buffers: bool = True,
+                 direct_leaf_bytes: Optional[int] = None) -> None:
         """``tw=None``: :class:`SleepStage` (backward ``tb``); otherwise :class:`SplitSleepStage`
         (input gradient ``tb``, weight gradient ``tw``); ``pass_through``: :class:`PassThroughStage`.
         ``overlap``: the runtime's mode (see :class:`~lightning_mmpp.engine.runtime.PipelineRuntime`);
         ``static_specs``, ``reuse_receive_buffers``: the communicator's (headers checked once per
-        step; receive buffers pooled); ``trace_dir``: the engine writes its trace there at :meth:`close`."""
+        step; receive buffers pooled), ``direct_leaf_bytes`` (None: its default); ``trace_dir``: the engine writes its trace there at :meth:`close`."""
         self.layout, self.rank, self.m = layout, rank, m
 
         def stage() -> nn.Module:
@@ -216,6 +217,8 @@ class OurPipeline:
         self.engine = PipelineEngine(SleepModel(layout, stage), layout, m, device=torch.device("cpu"),
                                      static_shapes=static_specs, trace_dir=trace_dir, overlap=overlap)
         self.engine.comm.reuse_receive_buffers = reuse_receive_buffers
+        if direct_leaf_bytes is not None:
+            self.engine.comm.direct_leaf_bytes = direct_leaf_bytes
         g = torch.Generator().manual_seed(seed)
         self.batch = torch.cat([torch.randn(*mb_shape, generator=g) for _ in range(m)])  # m microbatches
 

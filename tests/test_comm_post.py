@@ -289,7 +289,7 @@ def test_wire_layout_and_wire_tensor_share_memory():
 
     big = torch.randn(DIRECT_LEAF_BYTES // 4)
     _, spec = flatten_payload({"a": torch.ones(3), "big": big, "none": None}, "test")
-    wire = spec.data_wire
+    wire = spec.wire(grad=False)
     assert wire.direct_indices == (1,) and wire.packed.indices == (0,)
     assert wire.sizes == [wire.packed.nbytes, DIRECT_LEAF_BYTES]
     sent = wire_tensor(big, torch.device("cpu"))
@@ -297,4 +297,5 @@ def test_wire_layout_and_wire_tensor_share_memory():
     assert torch.equal(direct_leaf(sent.clone(), wire.direct_metas[0]), big)
     below = torch.randn(DIRECT_LEAF_BYTES // 4 - 1)
     _, small = flatten_payload(below, "test")
-    assert small.data_wire.direct_indices == () and small.data_wire.packed.indices == (0,)
+    assert small.wire(grad=False).direct_indices == () and small.wire(grad=False).packed.indices == (0,)
+    assert spec.wire(grad=False, direct_bytes=1 << 40).direct_indices == ()  # a threshold above every leaf: all packed

@@ -75,6 +75,7 @@ from lightning_mmpp.engine.payload import (
     HEADER_BYTES,
     PayloadSpec,
     WireLayout,
+    DIRECT_LEAF_BYTES,
     concat_payloads,
     direct_leaf,
     flatten_payload,
@@ -168,10 +169,11 @@ class _Incoming:
     peer: int
     done: bool
 
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...]) -> None:
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int) -> None:
         self.key = key
         self.peer = peer
         self.order = order
+        self.direct_bytes = direct_bytes  # the communicator's direct_leaf_bytes
         self.buffer: Optional[torch.Tensor] = None
         self.direct: list[torch.Tensor] = []  # the direct leaves' buffers of a data part
         self.done = False
@@ -239,9 +241,9 @@ class _Part(enum.Enum):
 class _ForwardIncoming(_Incoming):
     """Parts: ``DATA`` (cached spec) -> [flag stale] -> ``LENGTH`` -> ``SPEC`` -> ``NEW_DATA``."""
 
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], channel: _Channel,
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int, channel: _Channel,
                  cached: Optional[PayloadSpec]) -> None:
-        super().__init__(key, peer, order)
+        super().__init__(key, peer, order, direct_bytes)
         self.channel = channel
         self.spec = cached
         self.part = _Part.DATA if cached is not None else _Part.LENGTH
@@ -250,7 +252,7 @@ class _ForwardIncoming(_Incoming):
     def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
-            return self.data_buffers(self.spec.data_wire, device, pool)
+            return self.data_buffers(self.spec.wire(False, self.direct_bytes), device, pool)
         self.direct = []
         if self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
@@ -293,10 +295,11 @@ class _ForwardIncoming(_Incoming):
 class _BackwardIncoming(_Incoming):
     """A gradient buffer whose layout both ends derive from the forward spec."""
 
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], spec: PayloadSpec) -> None:
-        super().__init__(key, peer, order)
+    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int,
+                 spec: PayloadSpec) -> None:
+        super().__init__(key, peer, order, direct_bytes)
         self.spec = spec
-        self.wire: WireLayout = spec.grad_wire
+        self.wire: WireLayout = spec.wire(True, direct_bytes)
 
     def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         return self.data_buffers(self.wire, device, pool)
@@ -439,11 +442,16 @@ class MultiModuleCommunicator:
             nothing uses it any more (warm pages, see :class:`_ReceiveBuffers`); ``False``: a
             fresh buffer per message, for comparison (``benchmarks/bench_overlap.py --receive-pool``);
             settable later as :attr:`reuse_receive_buffers`.
+        direct_leaf_bytes: a tensor leaf of at least this many bytes travels as a transfer of its
+            own, sent from and received into the tensor's memory, instead of being copied into the
+            message's packed buffer (:class:`~lightning_mmpp.engine.payload.WireLayout`). Every
+            rank must use the same value; settable between steps (as :attr:`direct_leaf_bytes`)
+            only on every rank at once.
     """
 
     def __init__(self, layout: PipelineLayout, rank: int, device: torch.device,
                  group: Optional[dist.ProcessGroup] = None, static_specs: bool = False,
-                 reuse_receive_buffers: bool = True) -> None:
+                 reuse_receive_buffers: bool = True, direct_leaf_bytes: int = DIRECT_LEAF_BYTES) -> None:
         if not isinstance(static_specs, bool):
             raise PipelineConfigError(f"static_specs={static_specs!r}: give True or False.")
         if not isinstance(layout, PipelineLayout):
@@ -478,6 +486,7 @@ class MultiModuleCommunicator:
         self._send_buffers: dict[tuple[int, Direction, str, str, int, int], torch.Tensor] = {}
         self._recv_buffers = _ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
         self.static_specs = static_specs
+        self.direct_leaf_bytes = direct_leaf_bytes
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
         self._packed: set[tuple[int, Direction, str, str, int, int]] = set()
@@ -760,11 +769,12 @@ class MultiModuleCommunicator:
                 self._mailbox[key] = handed
                 self.stats.local_handovers += 1
                 continue
-            wire = spec.data_wire
             parts: list[list[torch.Tensor]] = []
             channel = _channel(self.rank, peer.rank, key, self._training)
             cached = self._send_cache.get(channel)
-            if cached != spec:
+            if cached == spec:
+                spec = states[-1].spec = cached  # the cached object: its wire layouts are computed already
+            else:
                 if cached is not None and self.static_specs:
                     raise PipelineConfigError(
                         f"rank {self.rank}: {where} to rank {peer.rank} changed from {_leaves(cached)} to "
@@ -773,7 +783,7 @@ class MultiModuleCommunicator:
                         "to MultiModulePipelineStrategy (a changed spec is then sent along)."
                     )
                 if cached is not None:  # the parts the peer expects of the old spec, header flagged stale
-                    old = cached.data_wire
+                    old = cached.wire(False, self.direct_leaf_bytes)
                     parts.append([pack_header(old.packed.nbytes, self.device, FLAG_STALE, message_tag(key))]
                                  + [torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
                                     for m in old.direct_metas])
@@ -782,7 +792,7 @@ class MultiModuleCommunicator:
                 parts.append([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)])
                 self._send_cache[channel] = spec
                 self.stats.metadata_exchanges += 1
-            parts.append(self._data_part(peer.rank, key, leaves, wire))
+            parts.append(self._data_part(peer.rank, key, leaves, spec.wire(False, self.direct_leaf_bytes)))
             outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
         self._sent[key.edge] = states
 
@@ -842,7 +852,7 @@ class MultiModuleCommunicator:
                 self._mailbox[key] = spec.unflatten(chunk)
                 self.stats.local_handovers += 1
                 continue
-            part = self._data_part(peer_state.rank, key, chunk, spec.grad_wire)
+            part = self._data_part(peer_state.rank, key, chunk, spec.wire(True, self.direct_leaf_bytes))
             outgoing.append(_Outgoing(_order(key, self.rank, peer_state.rank), peer_state.rank, [part]))
 
     def _data_part(self, peer: int, key: MessageKey, leaves: Sequence[Optional[torch.Tensor]],
@@ -889,8 +899,8 @@ class MultiModuleCommunicator:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
                 continue
             channel = _channel(peer.rank, self.rank, key, self._training)
-            msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), channel,
-                                   self._recv_cache.get(channel))
+            msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
+                                   channel, self._recv_cache.get(channel))
             sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
 
@@ -909,7 +919,8 @@ class MultiModuleCommunicator:
             elif peer.rank == self.rank:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
             else:
-                msg = _BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), state.spec)
+                msg = _BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
+                                        state.spec)
                 sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
 
@@ -1046,7 +1057,7 @@ class MultiModuleCommunicator:
             else:
                 assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
                 spec = src.spec
-                leaves = src.leaves(spec, spec.data_wire)
+                leaves = src.leaves(spec, spec.wire(False, self.direct_leaf_bytes))
             chunks.append(leaves)
             states.append(_PeerState(peer.rank, peer.chunk, spec))
         if len(chunks) == 1:

@@ -234,15 +234,19 @@ class PayloadSpec:
         """Layout of a backward message: the gradients of the leaves that require grad."""
         return BufferLayout.build(self.grad_indices, [self.leaves[i] for i in self.grad_indices])
 
-    @functools.cached_property
-    def data_wire(self) -> WireLayout:
-        """How a forward message of this spec travels (large leaves direct, see :class:`WireLayout`)."""
-        return WireLayout.build(self.tensor_indices, [self.leaves[i] for i in self.tensor_indices])
-
-    @functools.cached_property
-    def grad_wire(self) -> WireLayout:
-        """How a backward message of this spec travels."""
-        return WireLayout.build(self.grad_indices, [self.leaves[i] for i in self.grad_indices])
+    def wire(self, grad: bool, direct_bytes: Optional[int] = None) -> WireLayout:
+        """How a forward (``grad=False``) or backward message of this spec travels: leaves of at
+        least ``direct_bytes`` (default :data:`DIRECT_LEAF_BYTES`) direct, see :class:`WireLayout`.
+        Computed once per spec and threshold."""
+        if direct_bytes is None:
+            direct_bytes = DIRECT_LEAF_BYTES
+        cache: dict[tuple[bool, int], WireLayout] = self.__dict__.setdefault("_wires", {})
+        wire = cache.get((grad, direct_bytes))
+        if wire is None:
+            indices = self.grad_indices if grad else self.tensor_indices
+            wire = WireLayout.build(indices, [self.leaves[i] for i in indices], direct_bytes)  # type: ignore[misc]
+            cache[(grad, direct_bytes)] = wire
+        return wire
 
     def unflatten(self, leaves: Sequence[Any]) -> Any:
         """Rebuild a payload of this structure from its leaves (in flattening order)."""
