@@ -143,6 +143,30 @@ def test_top_plan_beats_uniform_and_single_chain():
     assert best.step_time_s * 1.05 < uniform.step_time_s and best.step_time_s * 1.05 < chain.step_time_s
 
 
+def test_zero_bubble_plans_shard_and_charge_the_weight_pass_its_own_gather_and_recompute():
+    """The engine shards (and recomputes) under zero_bubble, where I and W are separate
+    autograd calls: each gathers a sharded layer and reruns a recomputed forward."""
+    gib = 2**30
+    profile = ModelProfile(
+        modules={"enc": ModuleProfile(layers(2, 0.004, 0.008, 10 * MB, MB)),
+                 "llm": ModuleProfile(layers(2, 0.010, 0.020, gib, 4 * MB))},  # 2 layers: pp <= 2
+        topology={"enc": ["llm"], "llm": []}, profile_batch_size=16, bandwidth_bytes_per_s=20e9, latency_s=1e-5)
+    plan = plan_placements(profile, 5, top_k=1, memory_limit_bytes=3.5 * gib, schedules=("zero_bubble",))[0]
+    assert plan.placements["llm"].shard and plan.placements["llm"].dp == 2, plan.describe()
+    assert plan.max_memory_bytes <= 3.5 * gib
+    base = {"enc": ModulePlacement(), "llm": ModulePlacement(pp=2, dp=2)}
+    plain = CostModel(profile, base, 4).stage("llm", 1)
+    for flag in ("shard", "recompute"):
+        other = dict(base, llm=ModulePlacement(pp=2, dp=2, **{flag: True}))
+        cost = CostModel(profile, other, 4).stage("llm", 1)
+        # a gather, or the layer's forward compute (0.010 s per 16 samples, 16 / (4 x 2) samples)
+        extra = cost.forward_s - plain.forward_s if flag == "shard" else 0.010 * (16 / (4 * 2)) / 16
+        assert extra > 0
+        assert cost.input_s - plain.input_s == pytest.approx(extra)
+        assert cost.weight_s - plain.weight_s == pytest.approx(extra)
+        assert cost.backward_s - plain.backward_s == pytest.approx(extra)  # the fused backward: once
+
+
 def test_memory_limit_shapes_the_plan_and_too_small_a_limit_says_what_fits():
     profile = encoders_and_lm()
     free = plan_placements(profile, 8, top_k=1)[0]
@@ -307,7 +331,8 @@ def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer()
     assert v1.forward_s == pytest.approx(compute_f + cal.action_s + gather + message)
     assert v1.sync_s == pytest.approx(cal.scatter_seconds(3 * 50 * MB, 2, 3))
     assert v1.optimizer_s == pytest.approx(cal.optimizer_s_per_byte * 3 * 50 * MB / 2)
-    assert v1.input_s + v1.weight_s == pytest.approx(v1.backward_s + cal.action_s)  # W is an action of its own
+    # under zero_bubble W is an action and an autograd call of its own: it gathers the layers again
+    assert v1.input_s + v1.weight_s == pytest.approx(v1.backward_s + cal.action_s + gather)
     assert v0.optimizer_s == 0.0
     # recompute: the backward runs the forward again
     llm = calibrated.stage("llm", 0)

@@ -13,7 +13,8 @@ the microbatch count and the global batch) to what the simulator and the memory 
 * compute per ``(module, stage)`` and microbatch: layer times scale linearly with the samples a
   replica processes, ``batch / (num_microbatches * dp)``; ``recompute`` adds the forward to
   the backward; ``shard`` adds a parameter all-gather (``(dp-1)/dp * bytes / bandwidth``) to
-  every forward and backward;
+  every forward and backward; under zero_bubble, where the backward runs as two autograd
+  calls (``I``, then ``W``), each gathers a sharded layer and reruns a recomputed forward;
 * transfers: the bytes crossing a stage boundary or a bridge, over ``bandwidth``, plus
   ``latency`` per message; a stage's received activations are added to its forward, its
   received gradients to its backward (a receive blocks the stage that needs the data); a
@@ -348,18 +349,19 @@ class CostModel:
             action = cal.action_s
             optimizer = cal.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes) \
                 if trains else 0.0
-        if placement.recompute:
-            backward += forward
-            input_half += forward
+        recomputed = forward if placement.recompute else 0.0
+        backward += recomputed
+        input_half += recomputed
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0
-        elif cal is None:
-            backward += gather + self.gradient_seconds(module, stage)
-            weight_half = max(0.0, backward - input_half)
-        else:  # I waits for the output gradient and the gathered weights; W is an action of its own
-            weight_half = max(0.0, backward - input_half) + action
-            extra = action + gather + self.gradient_seconds(module, stage)
+        else:
+            # zero_bubble: I waits for the output gradient and the gathered weights; W is an
+            # autograd call (and, calibrated, an action) of its own: it gathers a sharded layer
+            # again and reruns a recomputed layer's forward (the checkpoint recomputes per call)
+            own = 0.0 if cal is None else action
+            weight_half = max(0.0, backward - input_half) + own + gather + recomputed
+            extra = own + gather + self.gradient_seconds(module, stage)
             backward += extra
             input_half += extra
         state = param_bytes + trainable_bytes * (profile.state_bytes_per_param_byte - 1.0)

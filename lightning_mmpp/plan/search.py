@@ -548,7 +548,7 @@ class _Evaluator:
             worst = max(range(len(peaks)), key=peaks.__getitem__)
             if peaks[worst] <= space.memory_limit:
                 return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
-            upgraded = self._upgrade(flags, layout, cost, worst, schedule)
+            upgraded = self._upgrade(flags, layout, cost, worst)
             if not upgraded:
                 self._note_peak(peaks[worst], placements)
                 return None
@@ -562,14 +562,16 @@ class _Evaluator:
             self.layouts[key] = layout
         return layout
 
-    def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int, schedule: ScheduleName) -> bool:
-        """Switch on the flag that saves the most bytes on ``rank``; False when none is left."""
+    def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int) -> bool:
+        """Switch on the flag that saves the most bytes on ``rank``; False when none is left.
+        Every schedule runs both (the engine shards under zero_bubble too; the cost model
+        charges its ``W`` a second gather)."""
         best = None
         for slot in layout.slots(rank):
             shard, recompute = flags[slot.module]
             stage = cost.stage(slot.module, slot.stage)
             dp = cost.placements[slot.module].dp
-            if not shard and self.space.allow_shard and dp > 1 and schedule is not ScheduleName.ZERO_BUBBLE:
+            if not shard and self.space.allow_shard and dp > 1:
                 saving = stage.static_bytes * (1 - 1 / dp)
                 if best is None or saving > best[0]:
                     best = (saving, slot.module, (True, recompute))
