@@ -2,6 +2,7 @@
 
     python benchmarks/bench_plan.py              # planner time + ratios (one process, seconds)
     python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (5 processes)
+    python benchmarks/bench_plan.py --search     # only the 64 ranks x 4 modules search: wall and CPU time
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
 * predicted step of the top plan against the best uniform layout (every module the same pp,
@@ -309,6 +310,20 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
               f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
 
 
+def search_section(repeats: int = 3) -> None:
+    """The 64 ranks x 4 modules search (issue 28's <= 10 s): wall and CPU seconds per call (CPU
+    time is robust to other processes on the machine), the load, and the top plan."""
+    profile = vlm_profile(True)
+    print(f"search: 64 ranks x 4 modules, memory limit 40 GiB, top_k=5; load {os.getloadavg()[0]:.2f}")
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        plans = plan_placements(profile, 64, memory_limit_bytes=40 * GiB, top_k=5)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        print(f"  wall {wall:.2f} s  CPU {cpu:.2f} s  top {plans[0].step_time_s * 1e3:.1f} ms "
+              f"(5th {plans[-1].step_time_s * 1e3:.1f} ms)  load {os.getloadavg()[0]:.2f}")
+    print(f"  top: {plans[0].describe()}, m={plans[0].num_microbatches}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", action="store_true")
@@ -319,7 +334,11 @@ def main() -> None:
     parser.add_argument("--accuracy-world", type=int, default=4)
     parser.add_argument("--memory-limit", type=float, default=100 * 1024,
                         help="bytes per rank, --accuracy's memory-limited case")
+    parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     args = parser.parse_args()
+    if args.search:
+        search_section()
+        return
     if args.accuracy:
         accuracy_section(args.accuracy_world, 32, 16, args.steps, args.memory_limit)
         return

@@ -369,14 +369,22 @@ def _placements(space: _Space, structure: _Structure, collapse: bool = False,
     return {m: by_module[m] for m in space.profile.modules}
 
 
-def _one_sample_path(space: _Space, placements: dict[str, ModulePlacement]) -> float:
+def _dp_of(structure: _Structure) -> dict[str, int]:
+    """Every module's dp in ``structure`` (a module beside another has its host's)."""
+    dp = {m: g.dp for g in structure.groups for m in g.modules}
+    for m, host, _ in structure.beside:
+        dp[m] = dp[host]
+    return dp
+
+
+def _one_sample_path(space: _Space, dp: dict[str, int]) -> float:
     """Compute seconds per sample of the global batch along the longest module path (forward and
     backward of every layer on it, each module's share divided by its dp): times
     ``batch / m`` it is the round trip of one microbatch, which no schedule overlaps."""
     longest: dict[str, float] = {}
     for module in space.order:
         before = max((longest[u] for u in space.upstream[module]), default=0.0)
-        longest[module] = before + sum(space.work(module)) / placements[module].dp
+        longest[module] = before + sum(space.work(module)) / dp[module]
     return max(longest.values(), default=0.0)
 
 
@@ -456,10 +464,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _dp_ok(placements: dict[str, ModulePlacement], topology: dict[str, list[str]]) -> bool:
+def _dp_ok(dp: dict[str, int], topology: dict[str, list[str]]) -> bool:
+    """Whether every bridge's dp sizes divide one another."""
     for up, downs in topology.items():
         for down in downs:
-            a, b = placements[up].dp, placements[down].dp
+            a, b = dp[up], dp[down]
             if max(a, b) % min(a, b):
                 return False
     return True
@@ -802,11 +811,11 @@ class _Search:
         profile = space.profile
         queue: list[_Candidate] = []
         for structure in _structures(space, threshold, colocate, uniform):
-            placements = _placements(space, structure)
-            if not _dp_ok(placements, profile.topology):
+            dp = _dp_of(structure)
+            if not _dp_ok(dp, profile.topology):
                 continue
-            lcm_dp = math.lcm(*(p.dp for p in placements.values()))
-            path = _one_sample_path(space, placements)
+            lcm_dp = math.lcm(*dp.values())
+            path = _one_sample_path(space, dp)
             for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
                 for schedule in schedules:
                     # microbatch 0 alone crosses the longest path forward and back (whole
