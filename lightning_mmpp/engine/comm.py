@@ -484,6 +484,9 @@ class MultiModuleCommunicator:
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str, int, int], torch.Tensor] = {}
+        # per channel: (its last packed buffer, the layout packed, a numpy view of the header on
+        # CPU, a view per leaf entry), to pack the next message of the same layout without slicing
+        self._pack_views: dict[tuple[int, Direction, str, str, int, int], tuple[Any, ...]] = {}
         self._recv_buffers = _ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
         self.static_specs = static_specs
         self.direct_leaf_bytes = direct_leaf_bytes
@@ -749,6 +752,16 @@ class MultiModuleCommunicator:
 
     def _plan_forward_send(self, key: MessageKey, payload: Any, outgoing: list[_Outgoing]) -> None:
         slot, peers = self._targets(key)
+        if isinstance(payload, torch.Tensor) and len(peers) == 1 and peers[0].rank != self.rank:
+            # the steady state of a one-tensor message to one remote peer: the channel's cached
+            # spec is checked against the tensor directly, nothing is flattened or built
+            peer = peers[0]
+            cached = self._send_cache.get(_channel(self.rank, peer.rank, key, self._training))
+            if cached is not None and cached.matches_tensor(payload):
+                part = self._data_part(peer.rank, key, [payload], cached.wire(False, self.direct_leaf_bytes))
+                outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, [part]))
+                self._sent[key.edge] = [_PeerState(peer.rank, peer.chunk, cached)]
+                return
         where = f"module {key.src_module!r} stage {slot.stage} output (to {key.dst_module!r})"
         flat = flatten_payload(payload, where)  # validates every leaf, naming module, stage and path
         # Fan-out: several receivers, each taking its chunk. (On fan-in the single receiver's
@@ -805,6 +818,15 @@ class MultiModuleCommunicator:
                 "(or its backward was already sent)."
             )
         combined, peer_states = state
+        meta = combined.single_tensor
+        if (meta is not None and meta.requires_grad and isinstance(grads, torch.Tensor) and len(peer_states) == 1
+                and peer_states[0].rank != self.rank and tuple(grads.shape) == meta.shape):
+            # the steady state of a one-tensor gradient to one remote peer (no fan-in to cut)
+            peer_rank = peer_states[0].rank
+            part = self._data_part(peer_rank, key, [grads.detach().to(meta.dtype)],
+                                   peer_states[0].spec.wire(True, self.direct_leaf_bytes))
+            outgoing.append(_Outgoing(_order(key, self.rank, peer_rank), peer_rank, [part]))
+            return
         where = f"gradient of module {key.dst_module!r} stage {slot.stage} input from {key.src_module!r}"
         if grads is None:
             grad_leaves: list[Any] = [None] * combined.num_leaves
@@ -861,7 +883,26 @@ class MultiModuleCommunicator:
         previous buffer when it is free), then every direct leaf's own memory (no copy)."""
         reuse = self._send_buffer(peer, key, wire.packed.nbytes)
         packed = [leaves[i] for i in wire.packed.indices]
-        buffer = pack(packed, wire.packed, self.device, FLAG_DATA, message_tag(key), out=reuse)  # type: ignore[arg-type]
+        slot = _buffer_slot(peer, key)
+        views = self._pack_views.get(slot)
+        if reuse is not None and views is not None and views[0] is reuse and views[1] is wire.packed:
+            # the channel's buffer and layout as last time: write through the views kept of it
+            # (the spec matched, so every leaf has its entry's shape and dtype)
+            _, _, header, dests = views
+            if header is not None:
+                header[0], header[1] = FLAG_DATA, message_tag(key)
+            else:
+                reuse[:HEADER_BYTES].view(torch.int64).copy_(
+                    torch.tensor([FLAG_DATA, message_tag(key)], dtype=torch.int64))
+            for dest, tensor in zip(dests, packed):
+                dest.copy_(tensor.detach())  # type: ignore[union-attr]
+            buffer = reuse
+        else:
+            buffer = pack(packed, wire.packed, self.device, FLAG_DATA, message_tag(key), out=reuse)  # type: ignore[arg-type]
+            header = buffer[:HEADER_BYTES].view(torch.int64).numpy() if buffer.device.type == "cpu" else None
+            dests = [buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+                     for meta, offset in zip(wire.packed.metas, wire.packed.offsets)]
+            self._pack_views[slot] = (buffer, wire.packed, header, dests)
         self._keep_send_buffer(peer, key, buffer)
         return [buffer, *(wire_tensor(leaves[i], self.device) for i in wire.direct_indices)]  # type: ignore[arg-type]
 
@@ -945,8 +986,10 @@ class MultiModuleCommunicator:
         if not outgoing and not incoming:
             return {}
         self._check_initialised()
-        outgoing = sorted(outgoing, key=lambda m: m.order)
-        incoming = sorted(incoming, key=lambda m: m.order)
+        if len(outgoing) > 1:
+            outgoing = sorted(outgoing, key=lambda m: m.order)
+        if len(incoming) > 1:
+            incoming = sorted(incoming, key=lambda m: m.order)
         by_peer: dict[int, list[_Incoming]] = {}
         for msg in incoming:
             by_peer.setdefault(msg.peer, []).append(msg)
@@ -1032,7 +1075,8 @@ class MultiModuleCommunicator:
                 return
         views = [m.scalars() for m in recvs]
         present = [v for v in views if v is not None]
-        flat: list[int] = torch.cat(present).tolist() if present else []  # one host sync for all headers
+        # one host sync for all headers
+        flat: list[int] = (present[0].tolist() if len(present) == 1 else torch.cat(present).tolist()) if present else []
         cursor = 0
         for msg, view in zip(recvs, views):
             values: list[int] = []
@@ -1064,6 +1108,8 @@ class MultiModuleCommunicator:
             spec = states[0].spec
             if sources[0][1][0] is _Origin.READY:
                 payload = sources[0][1][1]  # already detached, requires_grad kept, at send time
+            elif spec.single_tensor is not None:  # one tensor: no tree to rebuild
+                payload = chunks[0][0].detach().requires_grad_(spec.single_tensor.requires_grad)  # type: ignore[union-attr]
             else:
                 payload = spec.unflatten([
                     None if t is None else t.detach().requires_grad_(meta is not None and meta.requires_grad)

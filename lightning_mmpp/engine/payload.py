@@ -234,6 +234,18 @@ class PayloadSpec:
         """Layout of a backward message: the gradients of the leaves that require grad."""
         return BufferLayout.build(self.grad_indices, [self.leaves[i] for i in self.grad_indices])
 
+    @functools.cached_property
+    def single_tensor(self) -> Optional[TensorMeta]:
+        """The leaf's :class:`TensorMeta` when the payload is one tensor (no container), else ``None``."""
+        return self.leaves[0] if self.treespec.is_leaf() and self.leaves[0] is not None else None
+
+    def matches_tensor(self, tensor: torch.Tensor) -> bool:
+        """Whether a payload that is the single (strided) ``tensor`` has exactly this spec: the
+        steady-state check of a one-tensor message without flattening it."""
+        meta = self.single_tensor
+        return (meta is not None and tensor.layout == torch.strided and tensor.dtype == meta.dtype
+                and tensor.requires_grad == meta.requires_grad and tuple(tensor.shape) == meta.shape)
+
     def wire(self, grad: bool, direct_bytes: Optional[int] = None) -> WireLayout:
         """How a forward (``grad=False``) or backward message of this spec travels: leaves of at
         least ``direct_bytes`` (default :data:`DIRECT_LEAF_BYTES`) direct, see :class:`WireLayout`.
