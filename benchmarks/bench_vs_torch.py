@@ -20,6 +20,12 @@ Two workloads:
 
 Step time = the median over the timed steps of the slowest rank (barrier, then one step).
 
+``--cpu``: the 4-stage chain, 1F1B, ours (plain and static_shapes) and torch taking turns step
+by step: the median CPU time of each rank's main thread per step (``time.thread_time``: the
+Python and the gloo calls of the step, not the waiting), and ours / torch of their sums over the
+ranks. With free stages (``--tf 0 --tb 0``) that is the framework's own cost per step, a figure
+that moves far less with the load of a shared machine than the step time does.
+
 ``--zero-bubble``: the same 4-stage chain with :class:`~benchmarks.common.SplitSleepStage`
 (forward ``tf``, input gradient ``tb``, weight gradient ``--tw``): our ``zero_bubble`` against
 torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (it accepts that; its
@@ -111,6 +117,42 @@ def worker_chain(rank: int, world: int, m: int, tf: float, tb: float, rounds: in
         "torch gpipe": lambda: theirs.step("gpipe"),
     }
     return interleaved(runs, rounds, steps)
+
+
+def worker_cpu(rank: int, world: int, m: int, tf: float, tb: float, steps: int) -> dict[str, float]:
+    """Median main-thread CPU seconds per step of ours (plain, static_shapes) and torch, taking turns."""
+    import statistics
+    import time
+
+    ours = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE)
+    static = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE, static_specs=True)
+    theirs = TorchPipeline(rank, world, m, tf, tb)
+    runs = {"ours 1f1b": lambda: ours.step("1f1b"), "ours 1f1b static": lambda: static.step("1f1b"),
+            "torch 1f1b": lambda: theirs.step("1f1b")}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for index in range(steps + 3):  # 3 warm-up steps each
+        for name, fn in runs.items():
+            start = time.thread_time()
+            fn()
+            if index >= 3:
+                cpu[name].append(time.thread_time() - start)
+    ours.close()
+    static.close()
+    return {name: statistics.median(values) for name, values in cpu.items()}
+
+
+def cpu(args: argparse.Namespace) -> None:
+    steps = args.rounds * args.steps
+    print(f"$ python benchmarks/bench_vs_torch.py --cpu --tf {args.tf:g} --tb {args.tb:g}  (m={args.m}, microbatch "
+          f"float32 {list(MB_SHAPE)}, {steps} timed steps each; {machine()})")
+    section("Chain of 4 stages, 1F1B: main-thread CPU ms per step (median), ours vs torch.distributed.pipelining")
+    per_rank = run_distributed(worker_cpu, 4, args.m, args.tf, args.tb, steps, timeout=300)
+    rows = []
+    torch_total = sum(r["torch 1f1b"] for r in per_rank)
+    for name in ("ours 1f1b", "ours 1f1b static", "torch 1f1b"):
+        total = sum(r[name] for r in per_rank)
+        rows.append((name, *(f"{r[name] * 1e3:.2f}" for r in per_rank), f"{total * 1e3:.2f}", total / torch_total))
+    print(table(["run", "rank 0", "rank 1", "rank 2", "rank 3", "sum", "/ torch"], rows))
 
 
 def worker_zero_bubble(rank: int, world: int, m: int, tf: float, tb: float, tw: float, rounds: int,
@@ -270,6 +312,7 @@ def main() -> None:
     parser.add_argument("--p8", action="store_true", help="also the 8-stage chain")
     parser.add_argument("--zero-bubble", action="store_true", help="zero bubble on split sleep stages only")
     parser.add_argument("--tw", type=float, default=0.020, help="--zero-bubble: weight-gradient seconds")
+    parser.add_argument("--cpu", action="store_true", help="CPU time per step of ours and torch on the 4-stage chain")
     parser.add_argument("--virtual", action="store_true", help="virtual stages (interleaved_1f1b) only")
     args = parser.parse_args()
     if args.zero_bubble:
@@ -277,6 +320,9 @@ def main() -> None:
         return
     if args.virtual:
         virtual(args)
+        return
+    if args.cpu:
+        cpu(args)
         return
     m, tf, tb = args.m, args.tf, args.tb
     unit = tf + tb

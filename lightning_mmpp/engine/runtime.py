@@ -376,6 +376,8 @@ class PipelineRuntime:
         self.hooks = hooks
         self.pipeline_loss = pipeline_loss_caller(hooks)  # (module, output, batch) whatever form hooks wrote
         self.multiple_sinks = len(layout.topology.sinks) > 1
+        # id(schedule) -> (the schedule, its lowered program for this rank)
+        self._programs: dict[int, tuple[Schedule, _Program]] = {}
 
     def run(
         self,
@@ -392,39 +394,31 @@ class PipelineRuntime:
             keep_sink_outputs: keep the sink stage outputs (for predict).
             compute_loss: call ``pipeline_loss`` on sink stages (not for predict).
         """
-        actions = schedule.for_rank(self.layout.tp_lead(self.rank))  # a tp group runs its lead's actions
+        program = self._prepared(schedule)
+        actions = program.actions
         self.comm.begin_step(not schedule.forward_only)
-        split = {a.unit for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT}
         step = _StepState(
-            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, split
+            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, program.split
         )
-        # the action after which a module's parameter gradients (over all its chunks) are complete
-        last_gradient = {
-            a.module: index for index, a in enumerate(actions)
-            if isinstance(a, Compute) and a.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
-        }
         finished: list[str] = []  # stages whose gradients are complete, told after the next exchange
-        for index, action in enumerate(actions):
+        for action, prepared in zip(actions, program.steps):
             try:
-                if isinstance(action, Exchange):
-                    self._exchange(step, action)
+                if isinstance(prepared, _PreparedExchange):
+                    self._exchange(step, prepared)
                     for module in finished:  # the input gradients are on their way upstream first
                         self.gradient_sync.after_last_backward(module)
                     finished = []
-                elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
-                    last = last_gradient[action.module] == index
-                    self.gradient_sync.before_backward(action.module, last)
-                    self._compute(step, action)
-                    if last:
-                        finished.append(action.module)
+                elif prepared.gradient:
+                    self.gradient_sync.before_backward(prepared.action.module, prepared.last)
+                    self._compute(step, prepared)
+                    if prepared.last:
+                        finished.append(prepared.action.module)
                 else:
-                    self._compute(step, action)
+                    self._compute(step, prepared)
             except PipelineError:
                 raise
             except Exception as err:  # this rank's own failure: the root cause its peers will name
-                transfers = action.sends + action.recvs if isinstance(action, Exchange) else ()
-                k = action.microbatch if not transfers else min(t.microbatch for t in transfers)
-                self.failures.publish_exception(err, k)
+                self.failures.publish_exception(err, prepared.first_microbatch)
                 raise
         for module in finished:
             self.gradient_sync.after_last_backward(module)
@@ -440,12 +434,26 @@ class PipelineRuntime:
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 
-    def _compute(self, step: "_StepState", action: Compute) -> None:
+    def _prepared(self, schedule: Schedule) -> "_Program":
+        """This rank's actions of ``schedule`` lowered once (see :class:`_Program`), reused by
+        every step that runs the same schedule object (the engine keeps one per kind of step and
+        microbatch count)."""
+        cached = self._programs.get(id(schedule))
+        if cached is not None and cached[0] is schedule:
+            return cached[1]
+        program = _Program.lower(schedule.for_rank(self.layout.tp_lead(self.rank)))  # a tp group runs its lead's
+        if len(self._programs) >= 16:  # schedules of past microbatch counts: keep a few
+            self._programs.pop(next(iter(self._programs)))
+        self._programs[id(schedule)] = (schedule, program)
+        return program
+
+    def _compute(self, step: "_StepState", prepared: "_PreparedCompute") -> None:
+        action = prepared.action
         stage = self.stages[action.unit]
         k = action.microbatch
         # the receives this compute consumes, before its span: the trace shows waiting apart
         # from computing
-        self._take(step, (*action.unit, k, Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD))
+        self._take(step, prepared.consumes)
         with self.tracer.span(PHASE_SPANS[action.phase], action.module, microbatch=k, stage=stage.stage):
             if action.phase is Phase.FORWARD:
                 self._forward(step, stage, k)
@@ -456,9 +464,10 @@ class PipelineRuntime:
             else:  # a fused B, or a lone W (a stage whose inputs need no gradient)
                 self._backward(step, stage, k)
 
-    def _exchange(self, step: "_StepState", action: Exchange) -> None:
-        sends = self._collect_sends(step, action.sends)
-        recv_keys = list(dict.fromkeys(t.key for t in action.recvs))
+    def _exchange(self, step: "_StepState", prepared: "_PreparedExchange") -> None:
+        action = prepared.action
+        sends = self._collect_sends(step, prepared.send_keys)
+        recv_keys = prepared.recv_keys
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 if self.overlap:
@@ -466,12 +475,10 @@ class PipelineRuntime:
                 else:
                     got = self.comm.exchange(sends, recv_keys)
             except RuntimeError as err:  # a peer failed, died or timed out: name the root cause
-                transfers = action.sends + action.recvs
-                peers = {t.peer for t in transfers}
-                raise self.failures.transport_failure(err, peers, min(t.microbatch for t in transfers)) from err
+                raise self.failures.transport_failure(err, prepared.peers, prepared.first_microbatch) from err
         if self.overlap:
-            for t in action.recvs:
-                step.posted.setdefault(_consumer(t.key), {})[t.key] = t.peer
+            for consumer, key, peer in prepared.consumers:
+                step.posted.setdefault(consumer, {})[key] = peer
             if self.tracer.enabled:
                 now = time.time_ns()
                 step.posted_ns.update((t.key, now) for t in action.recvs)
@@ -607,12 +614,9 @@ class PipelineRuntime:
         step.stashed -= 1
         step.stash_bytes.pop(unit, None)
 
-    def _collect_sends(self, step: "_StepState", transfers: Sequence[Transfer]) -> dict[MessageKey, Any]:
+    def _collect_sends(self, step: "_StepState", keys: Sequence[MessageKey]) -> dict[MessageKey, Any]:
         sends: dict[MessageKey, Any] = {}
-        for t in transfers:
-            key = t.key
-            if key in sends:
-                continue
+        for key in keys:  # distinct
             if key.direction is Direction.FORWARD:
                 sends[key] = step.outputs[(*key.producer, key.microbatch)]
             else:
@@ -650,6 +654,67 @@ def _consumer(key: MessageKey) -> tuple[str, int, int, Direction]:
 _Unit = tuple[str, int, int]  # (module, chunk, microbatch): one microbatch on one of the rank's stages
 
 
+@dataclass(frozen=True)
+class _PreparedExchange:
+    """An :class:`Exchange` with what the runtime derives from it resolved once."""
+
+    action: Exchange
+    send_keys: tuple[MessageKey, ...]  # distinct, in order
+    recv_keys: tuple[MessageKey, ...]  # distinct, in order
+    consumers: tuple[tuple[tuple[str, int, int, Direction], MessageKey, int], ...]  # (consumer, key, peer)
+    peers: frozenset[int]  # every rank it talks to (named when a transfer fails)
+    first_microbatch: int  # the lowest microbatch it carries (failure reports)
+
+
+@dataclass(frozen=True)
+class _PreparedCompute:
+    """A :class:`Compute` with what the runtime derives from it resolved once."""
+
+    action: Compute
+    consumes: tuple[str, int, int, Direction]  # the posted receives it takes first: (module, chunk, k, direction)
+    gradient: bool  # a fused B or a W: produces parameter gradients
+    last: bool  # the last such backward of its module in the step
+    first_microbatch: int
+
+
+@dataclass(frozen=True)
+class _Program:
+    """One rank's action list of a schedule, lowered once: per action the keys, consumers and
+    peers it needs, which backward completes each module's gradients, and which stages split
+    their backward. Peers, tags, buffers and specs live in the communicator, which resolves
+    them once per channel (and again when a channel's spec changes)."""
+
+    actions: tuple[Any, ...]
+    steps: tuple[Any, ...]  # a _PreparedExchange or _PreparedCompute per action
+    split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W
+
+    @classmethod
+    def lower(cls, actions: Sequence[Any]) -> "_Program":
+        gradient_phases = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
+        # the action after which a module's parameter gradients (over all its chunks) are complete
+        last_gradient = {a.module: index for index, a in enumerate(actions)
+                         if isinstance(a, Compute) and a.phase in gradient_phases}
+        steps: list[Any] = []
+        for index, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                transfers = action.sends + action.recvs
+                steps.append(_PreparedExchange(
+                    action, tuple(dict.fromkeys(t.key for t in action.sends)),
+                    tuple(dict.fromkeys(t.key for t in action.recvs)),
+                    tuple((_consumer(t.key), t.key, t.peer) for t in action.recvs),
+                    frozenset(t.peer for t in transfers), min((t.microbatch for t in transfers), default=0),
+                ))
+            else:
+                direction = Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD
+                gradient = action.phase in gradient_phases
+                steps.append(_PreparedCompute(
+                    action, (*action.unit, action.microbatch, direction), gradient,
+                    gradient and last_gradient[action.module] == index, action.microbatch,
+                ))
+        split = frozenset(a.unit for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT)
+        return cls(tuple(actions), tuple(steps), split)
+
+
 @dataclass
 class _StepState:
     """Everything one step holds between actions; emptied as backwards run."""
@@ -659,7 +724,7 @@ class _StepState:
     shard: Callable[[str, int], Any]
     keep_sink_outputs: bool
     compute_loss: bool
-    split: set[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W in this schedule
+    split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W in this schedule
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
     # every key below names one microbatch on one stage: (module, chunk, k)
