@@ -50,6 +50,14 @@ def encoders_and_lm() -> ModelProfile:
     )
 
 
+def with_fixed_parts(profile: ModelProfile, share: float = 0.3) -> ModelProfile:
+    """``profile`` with ``share`` of every layer time paid per call, whatever the samples."""
+    for module in profile.modules.values():
+        for layer in module.layers:
+            layer.forward_fixed_s, layer.backward_fixed_s = share * layer.forward_s, share * layer.backward_s
+    return profile
+
+
 def test_profile_json_round_trip(tmp_path):
     profile = heterogeneous()
     profile.modules["audio"].layers[0].input_grad_s = 0.001
@@ -124,7 +132,7 @@ def test_pruned_search_returns_the_exhaustive_top_plans(schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
 def test_lower_bound_never_exceeds_the_simulated_step(schedule):
     """Pruning is exact only if the bound holds for every candidate the search could skip."""
-    for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6)):
+    for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6), (with_fixed_parts(encoders_and_lm()), 6)):
         everything = plan_placements(profile, world, top_k=10_000, exhaustive=True, schedules=(schedule,))
         assert len(everything) > 20
         for plan in everything:
@@ -241,6 +249,63 @@ def test_profile_model_on_the_test_model():
     assert plan_placements(profile, 4, top_k=1)[0].step_time_s > 0
 
 
+def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sample(monkeypatch):
+    """A layer costs a fixed part per call plus a part per sample: profile_model finds both (on a
+    virtual clock the layer advances) and the cost model charges the fixed part per microbatch."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpp.plan import profile as profile_module
+    from lightning_mmpp.plan import profile_model
+
+    clock = [0.0]
+    monkeypatch.setattr(profile_module.time, "perf_counter", lambda: clock[0])
+    fixed_f, rate_f, fixed_b, rate_b = 3e-3, 1e-4, 5e-3, 2e-4
+
+    class Tick(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            clock[0] += fixed_f + rate_f * x.shape[0]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock[0] += fixed_b + rate_b * grad.shape[0]
+            return grad
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return Tick.apply(x * self.w)
+
+    class Model(nn.Module):
+        pipeline_topology = {"net": []}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(Layer(), Layer())
+
+        def pipeline_inputs(self, module, batch, upstream):
+            return batch
+
+    profile = profile_model(Model(), torch.randn(32, 4), repeats=1)
+    layer = profile.modules["net"].layers[0]
+    assert layer.forward_s == pytest.approx(fixed_f + 32 * rate_f)
+    assert layer.backward_s == pytest.approx(fixed_b + 32 * rate_b)
+    assert layer.forward_fixed_s == pytest.approx(fixed_f) and layer.backward_fixed_s == pytest.approx(fixed_b)
+    assert ModelProfile.from_json(profile.to_json()) == profile
+    # 4 microbatches of 8 samples: each pays the fixed parts once per layer
+    cost = CostModel(profile, {"net": ModulePlacement()}, 4).stage("net", 0)
+    assert cost.forward_s == pytest.approx(2 * (fixed_f + 8 * rate_f))
+    assert cost.backward_s == pytest.approx(2 * (fixed_b + 8 * rate_b))
+    # a profile without fixed parts (written by hand, or before they were measured) scales the whole time
+    plain = ModelProfile({"net": ModuleProfile([LayerProfile("0", 0.032, 0.064)])}, {"net": []}, 32)
+    assert CostModel(plain, {"net": ModulePlacement()}, 4).stage("net", 0).forward_s == pytest.approx(0.008)
+
+
 def test_collectives_pay_latency_per_ring_step_and_bridges_on_the_same_ranks_are_free():
     from lightning_mmpp.plan.costs import CostModel, allreduce_seconds, metrics_seconds
 
@@ -292,13 +357,16 @@ def test_calibration_json_round_trip_and_versions(tmp_path):
         Calibration.from_dict({**data, "bogus": 1})
 
 
-def test_fit_calibration_recovers_known_constants():
-    """Synthetic samples made from known constants are fitted back to them."""
+@pytest.mark.parametrize("layer", [None, (0.3e-3, 0.5e-3)])
+def test_fit_calibration_recovers_known_constants(layer):
+    """Synthetic samples made from known constants are fitted back to them; the framework runs'
+    layers cost what the profile measured for one (``layer``: their wait plus their own call),
+    or, in samples without that measurement, their known wait."""
     from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, fit_calibration
 
     world, action, message, step = 4, 0.7e-3, 1.5e-3, 9e-3
     lat, bw = 1e-4, 2e9
-    work = FORWARD_S + BACKWARD_S
+    work = FORWARD_S + BACKWARD_S + (sum(layer) if layer else 0.0)
     samples = {
         "p2p": [(n, lat + n / bw) for n in (256, 65536, 2**20)],
         "allreduce": [(n, 6 * 2e-4 + 1.5 * n / bw) for n in (256, 2**20)],
@@ -307,6 +375,8 @@ def test_fit_calibration_recovers_known_constants():
         "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + 2 * action)) for m in (2, 32)],
                       "chain": [(m, step + (m + world - 1) * (work + 2 * (action + message))) for m in (4, 16)]},
     }
+    if layer:
+        samples["layer"] = [FORWARD_S + layer[0], BACKWARD_S + layer[1]]
     cal = fit_calibration(world, "cpu", samples)
     assert cal.p2p_latency_s == pytest.approx(lat, rel=0.01) and cal.p2p_bandwidth == pytest.approx(bw, rel=1e-6)
     assert cal.allreduce_latency_s == pytest.approx(2e-4, rel=0.01) and cal.allreduce_bandwidth == pytest.approx(bw)
@@ -358,7 +428,7 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
 
     cal = calibrate(2, steps=2)
     assert cal.world_size == 2 and cal.action_s > 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
-    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework"}
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer"}
 
 
 def test_cli_reads_a_calibration_and_validate_needs_a_model(tmp_path, capsys):

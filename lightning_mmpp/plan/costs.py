@@ -10,8 +10,9 @@ planning can be redone without the model.
 :class:`CostModel` maps one candidate (placements with split points, shard / recompute flags,
 the microbatch count and the global batch) to what the simulator and the memory check need:
 
-* compute per ``(module, stage)`` and microbatch: layer times scale linearly with the samples a
-  replica processes, ``batch / (num_microbatches * dp)``; ``recompute`` adds the forward to
+* compute per ``(module, stage)`` and microbatch: a layer's fixed part per call
+  (``LayerProfile.forward_fixed_s`` / ``backward_fixed_s``) plus the rest scaled linearly with
+  the samples a replica processes, ``batch / (num_microbatches * dp)``; ``recompute`` adds the forward to
   the backward; ``shard`` adds a parameter all-gather (``(dp-1)/dp * bytes / bandwidth``) to
   every forward and backward; under zero_bubble, where the backward runs as two autograd
   calls (``I``, then ``W``), each gathers a sharded layer and reruns a recomputed forward;
@@ -59,6 +60,11 @@ class LayerProfile:
     weight-gradient part (``W``). ``None``: half each. ``activation_bytes_per_sample``: what the
     layer saves for its backward; ``input_bytes_per_sample`` / ``output_bytes_per_sample``: the
     pytree it receives / returns (what a stage boundary carries, what recompute keeps).
+
+    ``forward_fixed_s`` / ``backward_fixed_s``: the part of ``forward_s`` / ``backward_s`` that
+    does not depend on the samples (the call itself: Python, autograd, kernel launches), paid
+    once per microbatch; the rest scales with the samples (:meth:`forward_seconds`). 0 (the
+    default): all of it scales.
     """
 
     name: str
@@ -70,6 +76,28 @@ class LayerProfile:
     activation_bytes_per_sample: float = 0.0
     input_bytes_per_sample: float = 0.0
     output_bytes_per_sample: float = 0.0
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+
+    def forward_seconds(self, fraction: float) -> float:
+        """The forward on ``fraction`` of the profiled samples: the fixed part, plus the rest scaled."""
+        return _affine(self.forward_s, self.forward_fixed_s, fraction)
+
+    def backward_seconds(self, fraction: float) -> float:
+        """The fused backward on ``fraction`` of the profiled samples."""
+        return _affine(self.backward_s, self.backward_fixed_s, fraction)
+
+    def input_grad_seconds(self, fraction: float) -> float:
+        """The ``I`` part of :meth:`backward_seconds` (its share of the profiled backward)."""
+        whole = self.backward_seconds(fraction)
+        if self.input_grad_s is None:
+            return whole / 2
+        return whole * self.input_grad_s / self.backward_s if self.backward_s > 0 else 0.0
+
+
+def _affine(measured: float, fixed: float, fraction: float) -> float:
+    fixed = min(max(fixed, 0.0), measured)
+    return fixed + (measured - fixed) * fraction
 
 
 @dataclass
@@ -320,10 +348,9 @@ class CostModel:
         placement = self.placements[module]
         layers = [profile.modules[module].layers[i] for i in self._ranges[module][stage]]
         scale = self.samples(module) / profile.profile_batch_size
-        forward = sum(layer.forward_s for layer in layers) * scale
-        backward = sum(layer.backward_s for layer in layers) * scale
-        input_half = sum(layer.backward_s / 2 if layer.input_grad_s is None else layer.input_grad_s
-                         for layer in layers) * scale
+        forward = sum(layer.forward_seconds(scale) for layer in layers)
+        backward = sum(layer.backward_seconds(scale) for layer in layers)
+        input_half = sum(layer.input_grad_seconds(scale) for layer in layers)
         param_bytes = sum(layer.param_bytes for layer in layers)
         trainable_bytes = sum(layer.param_bytes for layer in layers if layer.trainable)
         dp = placement.dp

@@ -12,7 +12,8 @@
   on, the difference is the reduce-scatter; at several parameter sizes;
 * the optimizer step (AdamW) per parameter byte;
 * the framework's own costs through ``Trainer.fit`` with ``MultiModulePipelineStrategy`` on a
-  model whose layers do no work (a scalar scale): a pure data-parallel layout at two microbatch
+  model whose layers do no work (a scalar scale, then a known wait), less what ``profile_model``
+  measures for such a layer (its wait and its own call): a pure data-parallel layout at two microbatch
   counts gives the cost per compute action (every microbatch is one forward and one backward
   on every rank) and per step; a ``pp = world_size`` chain at two microbatch counts gives, under
   1F1B (``(m + pp - 1)`` forward + backward pairs on the critical path), the cost per action
@@ -213,10 +214,22 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
     return {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
 
 
+def _layer(device: str) -> list[float]:
+    """``[forward, backward]`` seconds of one framework-run layer on one microbatch of theirs (2
+    rows), measured by :func:`~lightning_mmpp.plan.profile_model` as a plan's layers are: its
+    wait plus its call (Python, autograd, the sleep's overshoot). The framework fits subtract
+    this, so the framework's constants hold what a profile does not already count."""
+    from lightning_mmpp.plan.profile import profile_model
+
+    layer = profile_model(_FrameworkModel(1), torch.randn(2, FEATURES), device=_device(device, 0),
+                          repeats=5).modules["net"].layers[0]
+    return [layer.forward_s, layer.backward_s]
+
+
 def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
     dev = _device(device, rank)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
-    samples: dict[str, Any] = {}
+    samples: dict[str, Any] = {"layer": _layer(device)}
     if world > 1:
         samples["p2p"] = _p2p(rank, dev)
         samples["allreduce"] = _allreduce(dev)
@@ -245,7 +258,8 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_layer_s", fixed)
             setattr(cal, f"{attr}_bandwidth", share / slope if slope > 0 else inf)
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
-    work = FORWARD_S + BACKWARD_S  # the known wait of one layer's forward + backward
+    # one layer's forward + backward as a profile measures it (older samples: its known wait)
+    work = sum(samples["layer"]) if "layer" in samples else FORWARD_S + BACKWARD_S
     # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn
     (m1, t1), (m2, t2) = samples["framework"]["dp"]
     cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - DP_LAYERS * work) / 2)

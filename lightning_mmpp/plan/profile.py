@@ -5,7 +5,11 @@
 same layers the partitioner splits) on one sample batch, in one process, and times every layer
 on its own: the forward, the fused backward (gradient of ones for every float output), and the
 input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
-zero_bubble). It records parameter bytes, the bytes the layer saves for its backward (counted
+zero_bubble). The forward and the backward are timed again on a quarter of the samples, which
+splits each into a fixed part per call (Python, autograd, kernel launches: paid by every
+microbatch whatever its size) and a part that scales with the samples; scaling the whole time
+from the profiled batch down to a small microbatch missed the fixed part (a row-scaled sleep
+layer: 0.27 ms forward and 0.5 ms backward per call, about 10% of a 4-row microbatch). It records parameter bytes, the bytes the layer saves for its backward (counted
 with ``saved_tensors_hooks``, parameters excluded) and the bytes of its input and output
 pytrees, per sample.
 
@@ -91,6 +95,37 @@ def _grad_outputs(y: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return outs, [torch.ones_like(t) for t in outs]
 
 
+def _forward_for_backward(layer: nn.Module, inputs: Callable[[], Any]) -> Callable[[], tuple[Any, list, list]]:
+    """A fresh forward of ``layer`` to run a backward of: ``(inputs, outputs, output gradients)``."""
+    def run() -> tuple[Any, list, list]:
+        xin = inputs()
+        o, g = _grad_outputs(layer(xin))
+        return xin, o, g
+
+    return run
+
+
+def _backward(a: tuple[Any, list, list]) -> None:
+    torch.autograd.backward(a[1], a[2])
+
+
+def _first_samples(x: Any, samples: int, n: int) -> Optional[Any]:
+    """``x`` with every tensor leaf whose leading dimension is the batch cut to its first ``n``
+    samples; ``None`` when no leaf has the batch dimension (packed items: nothing to cut)."""
+    leaves = [t for t in _leaves(x) if t.dim() > 0 and t.shape[0] == samples]
+    if not leaves:
+        return None
+    return pytree.tree_map(
+        lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == samples else t, x)
+
+
+def _intercept(whole: float, part: float, samples: int, fewer: int) -> float:
+    """The fixed part of a time measured as ``whole`` on ``samples`` and ``part`` on ``fewer``
+    samples, with time = fixed + rate * samples; within ``[0, part]`` (timing noise)."""
+    fixed = (part * samples - whole * fewer) / (samples - fewer)
+    return min(max(fixed, 0.0), part)
+
+
 def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeats: int,
                    device: torch.device, samples: int) -> tuple[LayerProfile, Any]:
     params = list(layer.parameters())
@@ -110,13 +145,9 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
     forward = _timed(layer, inputs, repeats, device)
     outs, grads = _grad_outputs(y)
     backward = input_grad = 0.0
+    forward_for_backward = _forward_for_backward(layer, inputs)
     if outs:
-        def forward_for_backward() -> tuple[Any, list, list]:
-            xin = inputs()
-            o, g = _grad_outputs(layer(xin))
-            return xin, o, g
-
-        backward = _timed(lambda a: torch.autograd.backward(a[1], a[2]), forward_for_backward, repeats, device)
+        backward = _timed(_backward, forward_for_backward, repeats, device)
         wanted = [t for t in _leaves(inputs()) if t.requires_grad]
         if wanted and trainable:
             def input_half(a: tuple[Any, list, list]) -> None:
@@ -126,13 +157,24 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
             input_grad = min(backward, _timed(input_half, forward_for_backward, repeats, device))
         else:
             input_grad = 0.0 if trainable else backward
-        for p in params:
-            p.grad = None
+    # the fixed part per call: the same layer on a quarter of the samples (time = fixed + rate * samples)
+    forward_fixed = backward_fixed = 0.0
+    fewer = max(1, samples // 4)
+    small = _first_samples(x, samples, fewer) if fewer < samples else None
+    if small is not None:
+        small_inputs = lambda: _detached_input(small, needs_grad)  # noqa: E731
+        forward_fixed = _intercept(forward, _timed(layer, small_inputs, repeats, device), samples, fewer)
+        if outs:
+            small_backward = _timed(_backward, _forward_for_backward(layer, small_inputs), repeats, device)
+            backward_fixed = _intercept(backward, small_backward, samples, fewer)
+    for p in params:
+        p.grad = None
     profile = LayerProfile(
         name=name, forward_s=forward, backward_s=backward, input_grad_s=input_grad if outs else None,
         param_bytes=sum(p.numel() * p.element_size() for p in params), trainable=trainable,
         activation_bytes_per_sample=sum(saved.values()) / samples if trainable or needs_grad else 0.0,
         input_bytes_per_sample=_nbytes(x) / samples, output_bytes_per_sample=_nbytes(y) / samples,
+        forward_fixed_s=forward_fixed, backward_fixed_s=backward_fixed,
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
 
@@ -278,7 +320,7 @@ def _profile_module(
         needs_grad = trains and (i > 0 or has_upstream)
         result, x = _profile_layer(name or module, layer, x, needs_grad, repeats, device, samples)
         if not trains:
-            result.backward_s, result.input_grad_s = 0.0, None
+            result.backward_s, result.input_grad_s, result.backward_fixed_s = 0.0, None, 0.0
         profiled.append(result)
         if on_meta:
             layer.to("meta")

@@ -173,8 +173,11 @@ class _Space:
         """Seconds per sample of every layer (forward, plus backward when it trains)."""
         layers = self.profile.modules[module].layers
         trains = module not in self.no_backward
-        return [(layer.forward_s + (layer.backward_s if trains else 0.0)) / self.profile.profile_batch_size
-                for layer in layers]
+        # the part that scales with the samples (each microbatch also pays the fixed part: the
+        # bounds built on this stay below the cost model's)
+        return [(layer.forward_seconds(1.0) - layer.forward_seconds(0.0)
+                 + (layer.backward_seconds(1.0) - layer.backward_seconds(0.0) if trains else 0.0))
+                / self.profile.profile_batch_size for layer in layers]
 
     def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[range]:
         """Stages of ``module`` balanced by time; ``extra`` is the work per sample of modules
@@ -431,8 +434,11 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
         trains = m not in space.no_backward
         extra = space.beside_work(m, attached.get(m, []))
         for s, r in enumerate(space.split(m, pp_of[m], extra)):
-            forward[(m, s)] = sum(layers[i].forward_s for i in r) * scale / dp_of[m]
-            backward[(m, s)] = sum(layers[i].backward_s for i in r) * scale / dp_of[m] if trains else 0.0
+            # the parts that scale with the samples; the fixed parts per microbatch only add
+            forward[(m, s)] = sum(layers[i].forward_seconds(1.0) - layers[i].forward_seconds(0.0)
+                                  for i in r) * scale / dp_of[m]
+            backward[(m, s)] = sum(layers[i].backward_seconds(1.0) - layers[i].backward_seconds(0.0)
+                                   for i in r) * scale / dp_of[m] if trains else 0.0
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
     for m in space.order:
