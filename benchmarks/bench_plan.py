@@ -268,7 +268,7 @@ ACCURACY_MODELS = {
 }
 
 
-def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limit: float) -> None:
+def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float]) -> None:
     """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit."""
     import functools
     import subprocess
@@ -286,8 +286,9 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
     print(cal.describe())
     batch = torch.randn(batch_size, width)
     runs, rows = [], []
-    # the memory-limited case: 4 KiB more parameters per layer (16 KiB with AdamW's state)
-    cases = [(name, None, 0) for name in ACCURACY_MODELS] + [("3-module DAG", memory_limit, 1024)]
+    # the memory-limited cases: 4 KiB more parameters per layer (16 KiB with AdamW's state); under
+    # 80 KiB the best uniform plan must shard the LM (its unsharded layouts do not fit)
+    cases = [(name, None, 0) for name in ACCURACY_MODELS] + [("3-module DAG", limit, 1024) for limit in memory_limits]
     for name, limit, state_floats in cases:
         spec, topology = ACCURACY_MODELS[name]
         make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
@@ -332,8 +333,8 @@ def main() -> None:
     parser.add_argument("--accuracy", action="store_true",
                         help="only the calibrated accuracy table (calibrate, profile, plan, Trainer.fit)")
     parser.add_argument("--accuracy-world", type=int, default=4)
-    parser.add_argument("--memory-limit", type=float, default=100 * 1024,
-                        help="bytes per rank, --accuracy's memory-limited case")
+    parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],
+                        help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     args = parser.parse_args()
     if args.search:

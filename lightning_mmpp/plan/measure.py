@@ -43,8 +43,11 @@ P2P_SIZES = (256, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024)
 FSDP_WIDTHS = (32, 256, 1024)  # square linear layers: 4 KiB, 256 KiB, 4 MiB of fp32 parameters
 OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-DP_MICROBATCHES = (2, 16)
-FRAMEWORK_ROUNDS = 2
+# the framework constants are slopes over the microbatch count: the wider apart the two counts,
+# the less a few milliseconds of noise per step moves them (2 -> 32: 30 microbatches apart)
+DP_MICROBATCHES = (2, 32)
+CHAIN_MICROBATCHES_PER_STAGE = (1, 8)  # a chain of pp stages runs pp and 8 pp microbatches
+FRAMEWORK_ROUNDS = 3
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 16  # width of the framework runs' activations: small, so their transfers are latency only
@@ -201,7 +204,7 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
 
     runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES)}
     if world > 1:
-        runs["chain"] = (ModulePlacement(pp=world, dp=1), world, (world, 4 * world))
+        runs["chain"] = (ModulePlacement(pp=world, dp=1), world, tuple(c * world for c in CHAIN_MICROBATCHES_PER_STAGE))
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(FRAMEWORK_ROUNDS):
         for name, (placement, layers, counts) in runs.items():
