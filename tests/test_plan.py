@@ -375,12 +375,20 @@ def test_fit_calibration_recovers_known_constants(layer):
         "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + 2 * action)) for m in (2, 32)],
                       "chain": [(m, step + (m + world - 1) * (work + 2 * (action + message))) for m in (4, 16)]},
     }
-    if layer:
+    if layer:  # new samples: also the smallest FSDP2 layer over pairs of ranks (one ring step)
         samples["layer"] = [FORWARD_S + layer[0], BACKWARD_S + layer[1]]
+        samples["fsdp_pairs"] = [(4096, 1.2e-3 + 0.6e-3 + 0.5 * 4096 / bw, 2e-3 + 1e-3 + 0.5 * 4096 / bw)]
     cal = fit_calibration(world, "cpu", samples)
     assert cal.p2p_latency_s == pytest.approx(lat, rel=0.01) and cal.p2p_bandwidth == pytest.approx(bw, rel=1e-6)
     assert cal.allreduce_latency_s == pytest.approx(2e-4, rel=0.01) and cal.allreduce_bandwidth == pytest.approx(bw)
-    assert cal.gather_layer_s == pytest.approx(3e-3, rel=0.01) and cal.scatter_layer_s == pytest.approx(5e-3, rel=0.01)
+    if layer:  # per layer: the hooks' part and a latency per ring step (3 over the 4 calibrated ranks)
+        assert cal.gather_layer_s == pytest.approx(1.2e-3, rel=0.01) and cal.gather_step_s == pytest.approx(6e-4, rel=0.01)
+        assert cal.scatter_layer_s == pytest.approx(2e-3, rel=0.01) and cal.scatter_step_s == pytest.approx(1e-3, rel=0.01)
+        assert cal.gather_seconds(4096, 2, 1) == pytest.approx(1.8e-3 + 0.5 * 4096 / bw, rel=0.01)
+    else:  # one group size measured: the whole fixed part per layer, whatever the group
+        assert cal.gather_layer_s == pytest.approx(3e-3, rel=0.01) and cal.scatter_layer_s == pytest.approx(5e-3, rel=0.01)
+        assert cal.gather_step_s == 0.0 and cal.scatter_step_s == 0.0
+    assert cal.gather_seconds(2**20, 4, 1) == pytest.approx(3e-3 + 0.75 * 2**20 / bw, rel=0.01)
     assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
     assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
     assert cal.step_s == pytest.approx(step, rel=1e-3)

@@ -13,9 +13,10 @@ the profiled layer times:
 * ``step_s`` per training step: the Trainer's loop, ``zero_grad``, the optimizer's fixed cost,
   the closing all-reduce of the loss and metrics;
 * a dp gradient all-reduce as a ring with ``allreduce_latency_s`` per ring step and
-  ``allreduce_bandwidth``; FSDP2's all-gather (``gather_layer_s`` + bytes, once per layer for
-  every forward and every backward: unshard + reshard) and reduce-scatter (``scatter_layer_s`` +
-  bytes, once per layer per step) for a sharded module;
+  ``allreduce_bandwidth``; FSDP2's all-gather (per layer ``gather_layer_s`` + ``gather_step_s``
+  per ring step + bytes, once per layer for every forward and every backward: unshard +
+  reshard) and reduce-scatter (``scatter_layer_s`` + ``scatter_step_s`` per ring step + bytes,
+  once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
   shard, when sharded).
 
@@ -94,6 +95,8 @@ class Calibration:
     scatter_bandwidth: float = float("inf")
     optimizer_s_per_byte: float = 0.0
     samples: dict[str, Any] = field(default_factory=dict)
+    gather_step_s: float = 0.0
+    scatter_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -117,13 +120,15 @@ class Calibration:
         parameter bytes over ``group`` ranks: one forward's or one backward's worth."""
         if group <= 1 or layers <= 0:
             return 0.0
-        return layers * self.gather_layer_s + (group - 1) / group * nbytes / self.gather_bandwidth
+        per_layer = self.gather_layer_s + (group - 1) * self.gather_step_s
+        return layers * per_layer + (group - 1) / group * nbytes / self.gather_bandwidth
 
     def scatter_seconds(self, nbytes: float, group: int, layers: int) -> float:
         """FSDP2's gradient reduce-scatter of ``layers`` layers (``nbytes`` gradient bytes)."""
         if group <= 1 or layers <= 0:
             return 0.0
-        return layers * self.scatter_layer_s + (group - 1) / group * nbytes / self.scatter_bandwidth
+        per_layer = self.scatter_layer_s + (group - 1) * self.scatter_step_s
+        return layers * per_layer + (group - 1) / group * nbytes / self.scatter_bandwidth
 
     def optimizer_seconds(self, nbytes: float) -> float:
         """The optimizer step over ``nbytes`` of parameters held by one rank."""
@@ -173,7 +178,8 @@ class Calibration:
             f"per step {self.step_s * 1e3:.2f} ms",
             f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
             f"  all-reduce: {self.allreduce_latency_s * 1e3:.3f} ms per ring step, {bw(self.allreduce_bandwidth)}",
-            f"  FSDP2 per layer: all-gather {self.gather_layer_s * 1e3:.3f} ms + {bw(self.gather_bandwidth)}, "
-            f"reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + {bw(self.scatter_bandwidth)}",
+            f"  FSDP2 per layer: all-gather {self.gather_layer_s * 1e3:.3f} ms + {self.gather_step_s * 1e3:.3f} ms "
+            f"per ring step + {bw(self.gather_bandwidth)}, reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + "
+            f"{self.scatter_step_s * 1e3:.3f} ms per ring step + {bw(self.scatter_bandwidth)}",
             f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte",
         ])

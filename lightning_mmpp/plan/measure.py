@@ -9,7 +9,9 @@
 * FSDP2 per layer, with the strategy's own sharding (:func:`~lightning_mmpp.engine.sharding.shard_stage`
   over all ranks): a linear layer's forward + backward sharded without gradient sync, minus the
   same unsharded, is two all-gathers (unshard and reshard, forward and backward); with the sync
-  on, the difference is the reduce-scatter; at several parameter sizes;
+  on, the difference is the reduce-scatter; at several parameter sizes; and the smallest over
+  pairs of ranks, which splits the fixed cost per layer into the hooks' part and a latency per
+  ring step (a stage sharded over fewer ranks than were calibrated pays fewer steps);
 * the optimizer step (AdamW) per parameter byte;
 * the framework's own costs through ``Trainer.fit`` with ``MultiModulePipelineStrategy`` on a
   model whose layers do no work (a scalar scale, then a known wait), less what ``profile_model``
@@ -150,14 +152,16 @@ def _allreduce(device: torch.device) -> list[tuple[int, float]]:
     return points
 
 
-def _fsdp(device: torch.device) -> list[tuple[int, float, float]]:
-    """``(parameter bytes, all-gather seconds, reduce-scatter seconds)`` per layer and size."""
+def _fsdp(device: torch.device, group: Any = None,
+          widths: tuple[int, ...] = FSDP_WIDTHS) -> list[tuple[int, float, float]]:
+    """``(parameter bytes, all-gather seconds, reduce-scatter seconds)`` per layer and size,
+    sharded over ``group`` (default: every rank)."""
     from lightning_mmpp.engine.sharding import dp_mesh, shard_stage
     from lightning_mmpp.model.partition import StageRunner
 
-    mesh = dp_mesh(dist.group.WORLD, device)
+    mesh = dp_mesh(group if group is not None else dist.group.WORLD, device)
     points = []
-    for width in FSDP_WIDTHS:
+    for width in widths:
         torch.manual_seed(0)
         plain = nn.Linear(width, width, bias=False).to(device)
         sharded = nn.Linear(width, width, bias=False).to(device)
@@ -237,6 +241,9 @@ def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
         samples["p2p"] = _p2p(rank, dev)
         samples["allreduce"] = _allreduce(dev)
         samples["fsdp"] = _fsdp(dev)
+        if world > 2 and world % 2 == 0:  # pairs of ranks too: a collective's fixed cost grows with its ring's steps
+            pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            samples["fsdp_pairs"] = _fsdp(dev, pairs[rank // 2], FSDP_WIDTHS[:1])
     samples["optimizer"] = _optimizer(dev)
     samples["framework"] = _framework(world, device, steps)
     return samples
@@ -258,8 +265,16 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
         share = (world_size - 1) / world_size
         for attr, column in (("gather", 1), ("scatter", 2)):
             fixed, slope = fit_line([(p[0], p[column]) for p in samples["fsdp"]])
-            setattr(cal, f"{attr}_layer_s", fixed)
             setattr(cal, f"{attr}_bandwidth", share / slope if slope > 0 else inf)
+            step = 0.0
+            if samples.get("fsdp_pairs") and world_size > 2:
+                # the smallest layer over 2 ranks (1 ring step) against over all (world - 1 steps):
+                # the fixed cost per layer is the hooks' part plus one latency per ring step
+                nbytes, *times = samples["fsdp_pairs"][0]
+                pair = max(0.0, times[column - 1] - 0.5 * nbytes / getattr(cal, f"{attr}_bandwidth"))
+                step = max(0.0, (fixed - pair) / (world_size - 2))
+            setattr(cal, f"{attr}_step_s", step)
+            setattr(cal, f"{attr}_layer_s", max(0.0, fixed - (world_size - 1) * step))
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
     # one layer's forward + backward as a profile measures it (older samples: its known wait)
     work = sum(samples["layer"]) if "layer" in samples else FORWARD_S + BACKWARD_S
