@@ -378,9 +378,16 @@ def test_fit_calibration_recovers_known_constants(layer):
     if layer:  # new samples: also the smallest FSDP2 layer over pairs of ranks (one ring step)
         samples["layer"] = [FORWARD_S + layer[0], BACKWARD_S + layer[1]]
         samples["fsdp_pairs"] = [(4096, 1.2e-3 + 0.6e-3 + 0.5 * 4096 / bw, 2e-3 + 1e-3 + 0.5 * 4096 / bw)]
+        # the all-reduce: 0.3 ms per call + 0.15 ms per ring step (6 steps over 4 ranks: 1.2 ms, as above)
+        samples["allreduce_pairs"] = [(256, 3e-4 + 2 * 1.5e-4 + 256 / bw)]
     cal = fit_calibration(world, "cpu", samples)
     assert cal.p2p_latency_s == pytest.approx(lat, rel=0.01) and cal.p2p_bandwidth == pytest.approx(bw, rel=1e-6)
-    assert cal.allreduce_latency_s == pytest.approx(2e-4, rel=0.01) and cal.allreduce_bandwidth == pytest.approx(bw)
+    assert cal.allreduce_bandwidth == pytest.approx(bw)
+    if layer:
+        assert cal.allreduce_latency_s == pytest.approx(1.5e-4, rel=0.01) and cal.allreduce_call_s == pytest.approx(3e-4, rel=0.01)
+    else:
+        assert cal.allreduce_latency_s == pytest.approx(2e-4, rel=0.01) and cal.allreduce_call_s == 0.0
+    assert cal.allreduce_seconds(2**20, 4) == pytest.approx(1.2e-3 + 1.5 * 2**20 / bw, rel=0.01)
     if layer:  # per layer: the hooks' part and a latency per ring step (3 over the 4 calibrated ranks)
         assert cal.gather_layer_s == pytest.approx(1.2e-3, rel=0.01) and cal.gather_step_s == pytest.approx(6e-4, rel=0.01)
         assert cal.scatter_layer_s == pytest.approx(2e-3, rel=0.01) and cal.scatter_step_s == pytest.approx(1e-3, rel=0.01)

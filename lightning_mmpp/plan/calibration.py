@@ -12,8 +12,8 @@ the profiled layer times:
   waiting, with the link's latency;
 * ``step_s`` per training step: the Trainer's loop, ``zero_grad``, the optimizer's fixed cost,
   the closing all-reduce of the loss and metrics;
-* a dp gradient all-reduce as a ring with ``allreduce_latency_s`` per ring step and
-  ``allreduce_bandwidth``; FSDP2's all-gather (per layer ``gather_layer_s`` + ``gather_step_s``
+* a dp gradient all-reduce as a ring with ``allreduce_call_s`` per call, ``allreduce_latency_s``
+  per ring step and ``allreduce_bandwidth``; FSDP2's all-gather (per layer ``gather_layer_s`` + ``gather_step_s``
   per ring step + bytes, once per layer for every forward and every backward: unshard +
   reshard) and reduce-scatter (``scatter_layer_s`` + ``scatter_step_s`` per ring step + bytes,
   once per layer per step) for a sharded module;
@@ -77,7 +77,11 @@ class Calibration:
     """Measured constants of one machine and framework version; see the module docstring.
 
     Bandwidths are bytes per second (``inf``: the fit found no size dependence); latencies and
-    fixed costs are seconds.
+    fixed costs are seconds. ``allreduce_call_s``, ``gather_layer_s`` and ``scatter_layer_s`` are
+    the parts of a collective's fixed cost that do not grow with its ring's steps, fitted exactly
+    through 2 ranks and the calibrated size: they may be negative where a ring of more ranks costs
+    more than its steps (a CPU with fewer cores than ranks); over 2 or more ranks every charge is
+    at least the measured pair's.
     """
 
     world_size: int
@@ -97,6 +101,7 @@ class Calibration:
     samples: dict[str, Any] = field(default_factory=dict)
     gather_step_s: float = 0.0
     scatter_step_s: float = 0.0
+    allreduce_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -113,7 +118,8 @@ class Calibration:
         if group <= 1 or nbytes <= 0:
             return 0.0
         steps = 2 * (group - 1)
-        return steps / group * nbytes / self.allreduce_bandwidth + calls * steps * self.allreduce_latency_s
+        return steps / group * nbytes / self.allreduce_bandwidth + \
+            calls * (self.allreduce_call_s + steps * self.allreduce_latency_s)
 
     def gather_seconds(self, nbytes: float, group: int, layers: int) -> float:
         """FSDP2's all-gather (unshard, then reshard) of ``layers`` layers holding ``nbytes``
@@ -177,7 +183,8 @@ class Calibration:
             f"  per compute action {self.action_s * 1e3:.3f} ms, per received message {self.message_s * 1e3:.3f} ms, "
             f"per step {self.step_s * 1e3:.2f} ms",
             f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
-            f"  all-reduce: {self.allreduce_latency_s * 1e3:.3f} ms per ring step, {bw(self.allreduce_bandwidth)}",
+            f"  all-reduce: {self.allreduce_call_s * 1e3:.3f} ms per call + {self.allreduce_latency_s * 1e3:.3f} ms "
+            f"per ring step, {bw(self.allreduce_bandwidth)}",
             f"  FSDP2 per layer: all-gather {self.gather_layer_s * 1e3:.3f} ms + {self.gather_step_s * 1e3:.3f} ms "
             f"per ring step + {bw(self.gather_bandwidth)}, reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + "
             f"{self.scatter_step_s * 1e3:.3f} ms per ring step + {bw(self.scatter_bandwidth)}",

@@ -5,7 +5,8 @@
 * the link: ping-pong between ranks 0 and 1 (``dist.send`` / ``dist.recv``) at several sizes,
   fitted as one-way ``latency + bytes / bandwidth``;
 * the dp gradient all-reduce over all ranks at several sizes, fitted as a ring (``2 (n-1)``
-  steps of latency, ``2 (n-1)/n`` of the bytes over the bandwidth);
+  steps of latency, ``2 (n-1)/n`` of the bytes over the bandwidth), and the smallest over pairs
+  of ranks, which splits its fixed cost into a part per call and the latency per ring step;
 * FSDP2 per layer, with the strategy's own sharding (:func:`~lightning_mmpp.engine.sharding.shard_stage`
   over all ranks): a linear layer's forward + backward sharded without gradient sync, minus the
   same unsharded, is two all-gathers (unshard and reshard, forward and backward); with the sync
@@ -143,12 +144,14 @@ def _p2p(rank: int, device: torch.device) -> list[tuple[int, float]]:
     return points
 
 
-def _allreduce(device: torch.device) -> list[tuple[int, float]]:
+def _allreduce(device: torch.device, group: Any = None,
+               sizes: tuple[int, ...] = ALLREDUCE_SIZES) -> list[tuple[int, float]]:
+    """Seconds of an all-reduce per size, over ``group`` (default: every rank)."""
     points = []
-    for size in ALLREDUCE_SIZES:
+    for size in sizes:
         buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(buf)
-        points.append((size, _slowest(lambda: dist.all_reduce(buf), 10 if size < 2**20 else 4, device)))
+        dist.all_reduce(buf, group=group)
+        points.append((size, _slowest(lambda: dist.all_reduce(buf, group=group), 10 if size < 2**20 else 4, device)))
     return points
 
 
@@ -243,6 +246,7 @@ def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
         samples["fsdp"] = _fsdp(dev)
         if world > 2 and world % 2 == 0:  # pairs of ranks too: a collective's fixed cost grows with its ring's steps
             pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            samples["allreduce_pairs"] = _allreduce(dev, pairs[rank // 2], ALLREDUCE_SIZES[:1])
             samples["fsdp_pairs"] = _fsdp(dev, pairs[rank // 2], FSDP_WIDTHS[:1])
     samples["optimizer"] = _optimizer(dev)
     samples["framework"] = _framework(world, device, steps)
@@ -259,8 +263,18 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
     if "allreduce" in samples:
         fixed, slope = fit_line(samples["allreduce"])
         steps = 2 * (world_size - 1)
-        cal.allreduce_latency_s = fixed / steps
         cal.allreduce_bandwidth = steps / world_size / slope if slope > 0 else inf
+        cal.allreduce_latency_s = fixed / steps
+        if samples.get("allreduce_pairs") and world_size > 2:
+            # the smallest over 2 ranks (2 ring steps) against over all: the fixed cost of a call
+            # is its own part plus one latency per ring step
+            nbytes, pair = samples["allreduce_pairs"][0]
+            pair = max(0.0, pair - nbytes / cal.allreduce_bandwidth)
+            # exact at 2 ranks and at the calibrated size (the part per call may come out negative
+            # where a ring of more ranks costs more than its steps, on a CPU with fewer cores than
+            # ranks: a charge over 2 or more ranks is still at least the pair's)
+            cal.allreduce_latency_s = max(0.0, (fixed - pair) / (steps - 2))
+            cal.allreduce_call_s = fixed - steps * cal.allreduce_latency_s
     if "fsdp" in samples:
         share = (world_size - 1) / world_size
         for attr, column in (("gather", 1), ("scatter", 2)):
@@ -274,7 +288,7 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
                 pair = max(0.0, times[column - 1] - 0.5 * nbytes / getattr(cal, f"{attr}_bandwidth"))
                 step = max(0.0, (fixed - pair) / (world_size - 2))
             setattr(cal, f"{attr}_step_s", step)
-            setattr(cal, f"{attr}_layer_s", max(0.0, fixed - (world_size - 1) * step))
+            setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
     # one layer's forward + backward as a profile measures it (older samples: its known wait)
     work = sum(samples["layer"]) if "layer" in samples else FORWARD_S + BACKWARD_S
