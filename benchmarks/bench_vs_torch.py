@@ -24,7 +24,9 @@ Step time = the median over the timed steps of the slowest rank (barrier, then o
 by step: the median CPU time of each rank's main thread per step (``time.thread_time``: the
 Python and the gloo calls of the step, not the waiting), and ours / torch of their sums over the
 ranks. With free stages (``--tf 0 --tb 0``) that is the framework's own cost per step, a figure
-that moves far less with the load of a shared machine than the step time does.
+that moves far less with the load of a shared machine than the step time does. Beside it, the
+Python function calls per step of each (counted by ``cProfile`` over 5 further steps): a count
+that does not depend on the machine at all.
 
 ``--zero-bubble``: the same 4-stage chain with :class:`~benchmarks.common.SplitSleepStage`
 (forward ``tf``, input gradient ``tb``, weight gradient ``--tw``): our ``zero_bubble`` against
@@ -120,7 +122,10 @@ def worker_chain(rank: int, world: int, m: int, tf: float, tb: float, rounds: in
 
 
 def worker_cpu(rank: int, world: int, m: int, tf: float, tb: float, steps: int) -> dict[str, float]:
-    """Median main-thread CPU seconds per step of ours (plain, static_shapes) and torch, taking turns."""
+    """Median main-thread CPU seconds per step of ours (plain, static_shapes) and torch, taking
+    turns; ``"<name> calls"``: Python function calls per step."""
+    import cProfile
+    import pstats
     import statistics
     import time
 
@@ -136,9 +141,17 @@ def worker_cpu(rank: int, world: int, m: int, tf: float, tb: float, steps: int) 
             fn()
             if index >= 3:
                 cpu[name].append(time.thread_time() - start)
+    result = {name: statistics.median(values) for name, values in cpu.items()}
+    for name, fn in runs.items():
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(5):
+            fn()
+        profile.disable()
+        result[f"{name} calls"] = pstats.Stats(profile).total_calls / 5  # type: ignore[attr-defined]
     ours.close()
     static.close()
-    return {name: statistics.median(values) for name, values in cpu.items()}
+    return result
 
 
 def cpu(args: argparse.Namespace) -> None:
@@ -152,6 +165,13 @@ def cpu(args: argparse.Namespace) -> None:
     for name in ("ours 1f1b", "ours 1f1b static", "torch 1f1b"):
         total = sum(r[name] for r in per_rank)
         rows.append((name, *(f"{r[name] * 1e3:.2f}" for r in per_rank), f"{total * 1e3:.2f}", total / torch_total))
+    print(table(["run", "rank 0", "rank 1", "rank 2", "rank 3", "sum", "/ torch"], rows))
+    section("Python function calls per step (cProfile), the same runs")
+    rows = []
+    torch_calls = sum(r["torch 1f1b calls"] for r in per_rank)
+    for name in ("ours 1f1b", "ours 1f1b static", "torch 1f1b"):
+        total = sum(r[f"{name} calls"] for r in per_rank)
+        rows.append((name, *(f"{r[f'{name} calls']:.0f}" for r in per_rank), f"{total:.0f}", total / torch_calls))
     print(table(["run", "rank 0", "rank 1", "rank 2", "rank 3", "sum", "/ torch"], rows))
 
 

@@ -12,15 +12,24 @@ Wire protocol (per forward *channel* = (src rank, dst rank, src module, dst modu
 
 * Both ends cache the last :class:`~lightning_mmpp.engine.payload.PayloadSpec` of the channel. In the
   steady state one message travels per (channel, microbatch): a packed ``uint8`` buffer (16-byte
-  header + leaves) whose size the receiver knows from its cache.
-* When the spec changes (or on first use) the sender sends, in consecutive *rounds*: a buffer
-  of the old size with header flag :data:`~lightning_mmpp.engine.payload.FLAG_STALE` (only if an old
-  spec existed), an int64 length, the serialised spec, then the data buffer of the new size.
+  header + the small leaves) whose size the receiver knows from its cache, followed by one
+  transfer per *direct* leaf (a leaf of at least ``direct_leaf_bytes``, 1 MiB by default, sent
+  from and received into the tensor's own memory: no copy into the packed buffer; see
+  :class:`~lightning_mmpp.engine.payload.WireLayout`). The transfers of one message are its *data
+  part*.
+* When the spec changes (or on first use) the sender sends, in consecutive *rounds*: the data
+  part of the old spec with header flag :data:`~lightning_mmpp.engine.payload.FLAG_STALE` (only if
+  an old spec existed; its direct leaves unwritten), an int64 length, the serialised spec, then
+  the data part of the new spec.
+* The steady state of a one-tensor message to one remote peer is checked against the channel's
+  cached spec directly (shape, dtype, ``requires_grad``), without flattening the payload or
+  building a spec, and packed through views of the channel's buffer kept from its last message.
 * Backward messages never carry metadata: their layout is the gradient layout of the spec of
   the same (key, peer) seen in forward, which both ends keep until that backward has run.
 
 Ordering and deadlock freedom: a batch of transfers runs in rounds. In round ``r`` a rank
-posts, in one ``batch_isend_irecv``, the ``r``-th part of each of its outgoing messages and the
+posts, in one ``batch_isend_irecv`` (on CPU: the same gloo calls in the same order, straight on
+the process group, :func:`~lightning_mmpp.torch_api.direct_p2p`), the ``r``-th part of each of its outgoing messages and the
 next expected part of each incoming message, each list sorted by a canonical key that both ends
 compute (direction, src module, dst module, microbatch, sender rank, receiver rank). All sends
 and receives of a round go into the same batch, so opposite directions cannot deadlock, and the
