@@ -157,9 +157,10 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
             input_grad = min(backward, _timed(input_half, forward_for_backward, repeats, device))
         else:
             input_grad = 0.0 if trainable else backward
-    # the fixed part per call: the same layer on a quarter of the samples (time = fixed + rate * samples)
+    # the fixed part per call: the same layer on a quarter of the samples (time = fixed + rate * samples;
+    # at least 2 samples, which a layer normalising over the batch needs in training)
     forward_fixed = backward_fixed = 0.0
-    fewer = max(1, samples // 4)
+    fewer = max(2, samples // 4)
     small = _first_samples(x, samples, fewer) if fewer < samples else None
     if small is not None:
         small_inputs = lambda: _detached_input(small, needs_grad)  # noqa: E731
