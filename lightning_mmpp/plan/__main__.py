@@ -8,6 +8,8 @@
 ``--calibrate`` measures this machine's framework, link and collective costs first
 (:func:`lightning_mmpp.plan.calibrate`, on ``--calibrate-ranks`` local processes) and writes them
 to ``--calibration FILE`` when given; ``--calibration FILE`` alone reads a saved calibration.
+``--tp 1 2 4`` lets the search give a module those tensor-parallel sizes (every module whose
+model has the ``pipeline_parallelize`` hook, or only ``--tp-modules NAME ...``).
 ``--validate K`` then trains the top K plans a few steps through ``Trainer.fit`` on this
 machine (``--world-size`` local processes, the sample batch at every step) and prints the
 measured step beside the predicted one.
@@ -120,6 +122,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--schedules", default=ScheduleName.ONE_F_ONE_B.value,
                         help="comma-separated: " + ",".join(s.value for s in ScheduleName))
     parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1], metavar="T",
+                        help="tensor-parallel sizes to search, e.g. --tp 1 2 4 (modules whose model has the "
+                        "pipeline_parallelize hook; default 1: none)")
+    parser.add_argument("--tp-modules", nargs="+", metavar="MODULE",
+                        help="only these modules may get the --tp sizes (the others keep tp=1)")
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="the top plan is within 1 + this of an exhaustive search's best (0: exact, slower)")
     parser.add_argument("--device", default="cpu", help="where to profile")
@@ -155,7 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             profile.to_json(args.profile_out)
         plans = plan_placements(profile, args.world_size, args.microbatches, args.memory_limit,
                                 tuple(s.strip() for s in args.schedules.split(",")), args.top_k,
-                                batch_size=args.batch_size, tolerance=args.tolerance, calibration=calibration)
+                                batch_size=args.batch_size, tolerance=args.tolerance, calibration=calibration,
+                                tp_options={m: args.tp for m in args.tp_modules} if args.tp_modules else args.tp)
     except PipelineConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

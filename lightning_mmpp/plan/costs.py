@@ -25,6 +25,18 @@ the microbatch count and the global batch) to what the simulator and the memory 
   / bandwidth`` plus ``2 (dp-1) latency`` per 25 MiB bucket (a reduce-scatter, half that, per
   layer, when sharded); the step ends with the loss and metrics all-reduced over every rank
   (:func:`metrics_seconds`);
+* tensor parallelism (``ModulePlacement.tp = t > 1``): a layer the model's hook splits
+  (``LayerProfile.tp_allreduces > 0``) runs its per-sample part on ``1/t`` of the work (its
+  fixed part per call does not shrink), holds ``1/t`` of its parameters, gradients and
+  optimizer state (so its dp gradient sum and FSDP2 gathers move ``1/t`` of the bytes), and
+  pays ``tp_allreduces`` all-reduces of its output activation over the ``t`` ranks per forward
+  (again when recomputed) and as many per backward (in ``I`` under zero_bubble): with the
+  calibration's all-reduce costs when the profile has one, the ring formula over
+  ``bandwidth`` / ``latency`` otherwise. A layer with ``tp_allreduces=0`` runs whole on every
+  tp rank. Activations are not divided (a tp group holds replicated layer inputs and outputs;
+  an upper bound for the split inner activations). A stage boundary or bridge moves one copy
+  per tp group (lead to lead, as without tp), and the receiving tp group's lead broadcasts it
+  to its other ranks (:func:`broadcast_seconds`; activations forward, gradients backward);
 * memory per rank: parameters, gradients and Adam state (``state_bytes_per_param_byte`` times
   the parameter bytes, 16 B per fp32 parameter; parameter bytes only for a frozen module; all
   of it / dp when sharded, plus one gathered layer), and the activations of the microbatches in
@@ -47,7 +59,7 @@ from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 
 __all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds",
-           "metrics_seconds", "step_overhead_seconds"]
+           "broadcast_seconds", "metrics_seconds", "step_overhead_seconds", "tp_allreduce_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -65,6 +77,14 @@ class LayerProfile:
     does not depend on the samples (the call itself: Python, autograd, kernel launches), paid
     once per microbatch; the rest scales with the samples (:meth:`forward_seconds`). 0 (the
     default): all of it scales.
+
+    ``tp_allreduces``: the all-reduces of the layer's output activation that the model's
+    ``pipeline_parallelize`` hook adds per forward (and as many per backward) when the module
+    runs with ``tp > 1``; default 2, a transformer block (attention and MLP, each column- then
+    row-wise). 0: the hook leaves the layer whole (an embedding, a norm, a head it does not
+    split), so every tp rank runs all of it and holds all its parameters. A hand-written
+    profile should set 0 on such layers; :func:`~lightning_mmpp.plan.profile_model` cannot see
+    what the hook splits and keeps the default.
     """
 
     name: str
@@ -78,6 +98,12 @@ class LayerProfile:
     output_bytes_per_sample: float = 0.0
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
+    tp_allreduces: int = 2
+
+    def split_by(self, tp: int) -> int:
+        """The ranks this layer's work and parameters are divided over at ``tp``: ``tp`` when
+        the hook splits it (``tp_allreduces > 0``), else 1."""
+        return tp if self.tp_allreduces > 0 else 1
 
     def forward_seconds(self, fraction: float) -> float:
         """The forward on ``fraction`` of the profiled samples: the fixed part, plus the rest scaled."""
@@ -102,9 +128,16 @@ def _affine(measured: float, fixed: float, fraction: float) -> float:
 
 @dataclass
 class ModuleProfile:
-    """The layers of one module, in order (the children the partitioner splits)."""
+    """The layers of one module, in order (the children the partitioner splits).
+
+    ``tp_capable``: whether the module can run with ``tp > 1``, i.e. its model has the
+    ``pipeline_parallelize`` hook (:func:`~lightning_mmpp.plan.profile_model` records it).
+    True by default, so a hand-written profile may be planned with tensor parallelism; the
+    planner gives a module ``tp > 1`` only where ``plan_placements(tp_options=...)`` allows it.
+    """
 
     layers: list[LayerProfile]
+    tp_capable: bool = True
 
     @property
     def trainable(self) -> bool:
@@ -175,7 +208,8 @@ class ModelProfile:
         if version != PROFILE_VERSION:
             raise PipelineConfigError(f"profile version {version} is not supported (expected {PROFILE_VERSION}).")
         modules = {
-            name: ModuleProfile([LayerProfile(**layer) for layer in module["layers"]])
+            name: ModuleProfile([LayerProfile(**layer) for layer in module["layers"]],
+                                tp_capable=module.get("tp_capable", True))
             for name, module in data.pop("modules").items()
         }
         topology = {m: list(d) for m, d in data.pop("topology").items()}
@@ -213,6 +247,30 @@ def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: floa
         return 0.0
     steps = (1 if scatter_only else 2) * (group - 1)
     return steps / group * nbytes / bandwidth + collectives * steps * latency
+
+
+def broadcast_seconds(nbytes: float, group: int, profile: "ModelProfile") -> float:
+    """A tp group's lead broadcasting ``nbytes`` to the other ``group - 1`` ranks (a pipelined
+    ring: the bytes once over the link, a latency per hop): with the profile's calibration, its
+    all-reduce's per-call cost, per-step latency and bandwidth; otherwise ``bandwidth`` and
+    ``latency``."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    cal = profile.calibration
+    if cal is not None:
+        return cal.allreduce_call_s + (group - 1) * cal.allreduce_latency_s + nbytes / cal.allreduce_bandwidth
+    return nbytes / profile.bandwidth_bytes_per_s + (group - 1) * profile.latency_s
+
+
+def tp_allreduce_seconds(nbytes: float, group: int, calls: int, profile: "ModelProfile") -> float:
+    """``calls`` all-reduces of ``nbytes`` each over a tp group of ``group`` ranks: the
+    calibration's all-reduce when the profile has one, the ring formula otherwise."""
+    if group <= 1 or nbytes <= 0 or calls <= 0:
+        return 0.0
+    if profile.calibration is not None:
+        return profile.calibration.allreduce_seconds(calls * nbytes, group, calls)
+    return allreduce_seconds(calls * nbytes, group, profile.bandwidth_bytes_per_s, profile.latency_s,
+                             collectives=calls)
 
 
 GRADIENT_BUCKET_BYTES = 25 * 2**20  # lightning_mmpp.engine.data_parallel's bucket: one all-reduce each
@@ -315,19 +373,30 @@ class CostModel:
         """Whether ``up``'s last stage and ``down``'s first run on the same ranks (colocated or
         beside): their transfers stay in the process and cost nothing."""
         a, b = self.placements[up], self.placements[down]
-        if a.rank_offset is None or b.rank_offset is None or a.dp != b.dp:
+        if a.rank_offset is None or b.rank_offset is None or (a.dp, a.tp) != (b.dp, b.tp):
             return False
-        return a.rank_offset + (a.pp - 1) * a.dp == b.rank_offset
+        return a.rank_offset + (a.pp - 1) * a.dp * a.tp == b.rank_offset
+
+    def _relay_seconds(self, module: str, producer: str, stage: int, samples: float) -> float:
+        """The broadcast inside ``module``'s receiving tp group of ``samples`` samples of the
+        output of ``(producer, stage)`` (or of its gradient), which the group's lead received."""
+        tp = self.placements[module].tp
+        if tp <= 1:
+            return 0.0
+        layer = self.profile.modules[producer].layers[self._ranges[producer][stage][-1]]
+        return broadcast_seconds(layer.output_bytes_per_sample * samples, tp, self.profile)
 
     def received_seconds(self, module: str, stage: int) -> float:
         """Seconds one replica of ``(module, stage)`` spends receiving a microbatch's inputs:
         its own samples of every producer's output (from ``up.dp / dp`` senders on a fan-in)."""
         samples = self.samples(module)
         if stage > 0:
-            return self._message_seconds(module, stage - 1, samples, 1)
+            return self._message_seconds(module, stage - 1, samples, 1) + \
+                self._relay_seconds(module, module, stage - 1, samples)
         dp = self.placements[module].dp
         return sum(
             self._message_seconds(up, self.placements[up].pp - 1, samples, max(1, self.placements[up].dp // dp))
+            + self._relay_seconds(module, up, self.placements[up].pp - 1, samples)
             for up, downs in self.profile.topology.items() if module in downs and not self._in_process(up, module)
         )
 
@@ -336,9 +405,10 @@ class CostModel:
         placement = self.placements[module]
         samples = self.samples(module)
         if stage < placement.pp - 1:
-            return self._message_seconds(module, stage, samples, 1)
+            return self._message_seconds(module, stage, samples, 1) + self._relay_seconds(module, module, stage, samples)
         return sum(
             self._message_seconds(module, stage, samples, max(1, self.placements[down].dp // placement.dp))
+            + self._relay_seconds(module, module, stage, samples)
             for down in self.profile.topology[module]
             if down not in self.no_backward and not self._in_process(module, down)
         )
@@ -348,11 +418,20 @@ class CostModel:
         placement = self.placements[module]
         layers = [profile.modules[module].layers[i] for i in self._ranges[module][stage]]
         scale = self.samples(module) / profile.profile_batch_size
-        forward = sum(layer.forward_seconds(scale) for layer in layers)
-        backward = sum(layer.backward_seconds(scale) for layer in layers)
-        input_half = sum(layer.input_grad_seconds(scale) for layer in layers)
-        param_bytes = sum(layer.param_bytes for layer in layers)
-        trainable_bytes = sum(layer.param_bytes for layer in layers if layer.trainable)
+        tp = placement.tp
+        # a split layer: its per-sample part over tp ranks, 1/tp of its parameters (module docstring)
+        forward = sum(layer.forward_seconds(scale / layer.split_by(tp)) for layer in layers)
+        backward = sum(layer.backward_seconds(scale / layer.split_by(tp)) for layer in layers)
+        input_half = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) for layer in layers)
+        param_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers)
+        trainable_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers if layer.trainable)
+        # the tp all-reduces of each split layer's output, per forward and as many per backward
+        tp_collectives = sum(
+            tp_allreduce_seconds(layer.output_bytes_per_sample * self.samples(module), tp, layer.tp_allreduces, profile)
+            for layer in layers) if tp > 1 else 0.0
+        forward += tp_collectives
+        backward += tp_collectives
+        input_half += tp_collectives
         dp = placement.dp
         bw, lat = profile.bandwidth_bytes_per_s, profile.latency_s
         cal = profile.calibration
@@ -392,7 +471,7 @@ class CostModel:
             backward += extra
             input_half += extra
         state = param_bytes + trainable_bytes * (profile.state_bytes_per_param_byte - 1.0)
-        biggest_layer = max((layer.param_bytes for layer in layers), default=0)
+        biggest_layer = max((layer.param_bytes / layer.split_by(tp) for layer in layers), default=0.0)
         static = state / dp + biggest_layer if placement.shard else state
         samples = self.samples(module)
         if not trains:

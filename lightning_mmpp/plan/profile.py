@@ -11,7 +11,8 @@ microbatch whatever its size) and a part that scales with the samples; scaling t
 from the profiled batch down to a small microbatch missed the fixed part (a row-scaled sleep
 layer: 0.27 ms forward and 0.5 ms backward per call, about 10% of a 4-row microbatch). It records parameter bytes, the bytes the layer saves for its backward (counted
 with ``saved_tensors_hooks``, parameters excluded) and the bytes of its input and output
-pytrees, per sample.
+pytrees, per sample; per module, whether the model has the ``pipeline_parallelize`` hook
+(``ModuleProfile.tp_capable``: the planner may then give it ``tp > 1``).
 
 A model whose modules are built in ``configure_model()`` is built on the meta device and
 profiled one layer at a time: each layer is materialised (:func:`lightning_mmpp.materialize`)
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_mmpp import torch_api as pytree
+from lightning_mmpp.engine.tensor_parallel import HOOK as TP_HOOK
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
 from lightning_mmpp.model.ragged import run_ragged
@@ -270,6 +272,9 @@ def profile_model(
         default_latency = calibration.p2p_latency_s
         if calibration.p2p_bandwidth != float("inf"):
             default_bw = calibration.p2p_bandwidth
+    tp_capable = callable(getattr(lightning_module, TP_HOOK, None))  # tp > 1 needs the model's hook
+    for profiled in modules.values():
+        profiled.tp_capable = tp_capable
     ordered = {m: modules[m] for m in topology}
     return ModelProfile(
         modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,

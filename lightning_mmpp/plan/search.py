@@ -1,9 +1,11 @@
 """Search placements for a profiled model: the fastest layouts that fit in memory (pure Python).
 
-A candidate is a set of *groups* (modules colocated on the same ranks, with one ``pp`` and
-``dp``), optional *attachments* (a ``pp=1`` module beside the first stage of its only
-downstream module, or the last stage of its only upstream one, with that module's dp), the
-microbatch count and the schedule. Split points balance each module's stages by measured time.
+A candidate is a set of *groups* (modules colocated on the same ranks, with one ``pp``, ``dp``
+and ``tp``; a group takes ``pp * dp * tp`` ranks), optional *attachments* (a ``pp=1`` module
+beside the first stage of its only downstream module, or the last stage of its only upstream
+one, with that module's dp and tp), the microbatch count and the schedule. ``tp`` is searched
+over ``plan_placements(tp_options=...)`` (default: 1 only); every module on a group's ranks
+must allow the group's tp (modules sharing a rank share its tp). Split points balance each module's stages by measured time.
 ``shard`` / ``recompute`` are switched on per module only where a rank would not fit in memory.
 
 Pruning: a rank runs all its microbatches, so a candidate's step takes at least the busiest
@@ -28,9 +30,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_mmpp.core.actions import Phase
 from lightning_mmpp.core.balance import balanced_split
@@ -79,12 +81,14 @@ class Plan:
         return PipelineLayout(self.placements, self.topology)
 
     def describe(self) -> str:
-        """A compact one-line form, e.g. ``vision 1x2 @0 | audio 1x1 @2 | llm 2x1 @3 (4,)``."""
+        """A compact one-line form, e.g. ``vision 1x2 @0 | audio 1x1 @2 | llm 2x1x2 @3 [4]``
+        (``pp x dp``, ``x tp`` when ``tp > 1``, ``@`` the first rank, then the split points)."""
         parts = []
         for name, p in self.placements.items():
             flags = "".join(f" {f}" for f in ("shard", "recompute") if getattr(p, f))
             split = f" {list(p.split_points)}" if p.split_points else ""
-            parts.append(f"{name} {p.pp}x{p.dp} @{p.rank_offset}{split}{flags}")
+            tp = f"x{p.tp}" if p.tp > 1 else ""
+            parts.append(f"{name} {p.pp}x{p.dp}{tp} @{p.rank_offset}{split}{flags}")
         return " | ".join(parts)
 
     def snippet(self) -> str:
@@ -92,7 +96,7 @@ class Plan:
         lines = ["from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy", "",
                  "strategy = MultiModulePipelineStrategy(", "    placements={"]
         for name, p in self.placements.items():
-            args = [f"pp={p.pp}", f"dp={p.dp}", f"rank_offset={p.rank_offset}"]
+            args = [f"pp={p.pp}", f"dp={p.dp}", *([f"tp={p.tp}"] if p.tp > 1 else []), f"rank_offset={p.rank_offset}"]
             if p.split_points:
                 args.append(f"split_points={tuple(p.split_points)!r}")
             args += [f"{f}=True" for f in ("shard", "recompute") if getattr(p, f)]
@@ -106,7 +110,7 @@ class Plan:
     def to_dict(self) -> dict:
         """A JSON-serialisable summary."""
         return {
-            "placements": {name: {"pp": p.pp, "dp": p.dp, "rank_offset": p.rank_offset,
+            "placements": {name: {"pp": p.pp, "dp": p.dp, "tp": p.tp, "rank_offset": p.rank_offset,
                                   "split_points": list(p.split_points) if p.split_points else None,
                                   "shard": p.shard, "recompute": p.recompute}
                            for name, p in self.placements.items()},
@@ -127,7 +131,7 @@ def format_bytes(n: float) -> str:
 
 def plans_table(plans: Sequence[Plan]) -> str:
     """A text table of plans, best first."""
-    rows = [("#", "step ms", "vs best", "bubble", "peak/rank", "m", "schedule", "layout (module pp x dp @first rank)")]
+    rows = [("#", "step ms", "vs best", "bubble", "peak/rank", "m", "schedule", "layout (module pp x dp [x tp] @first rank)")]
     best = plans[0].step_time_s if plans else 1.0
     for i, p in enumerate(plans):
         rows.append((str(i + 1), f"{p.step_time_s * 1e3:.1f}", f"{p.step_time_s / best:.2f}x",
@@ -145,6 +149,7 @@ class _Group:
     modules: tuple[str, ...]
     pp: int
     dp: int
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -166,54 +171,61 @@ class _Space:
     dp_options: tuple[int, ...]
     memory_limit: Optional[float]
     allow_shard: bool
-    splits: dict[tuple[str, int], list[range]] = field(default_factory=dict)
+    tp_options: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per module; absent: (1,)
+    splits: dict[tuple, list[range]] = field(default_factory=dict)
     smallest_static: float = math.inf  # least static bytes of a shape rejected for memory
 
-    def work(self, module: str) -> list[float]:
-        """Seconds per sample of every layer (forward, plus backward when it trains)."""
+    def tps(self, module: str) -> tuple[int, ...]:
+        """The tp sizes ``module`` may have."""
+        return self.tp_options.get(module, (1,))
+
+    def work(self, module: str, tp: int = 1) -> list[float]:
+        """Seconds per sample of every layer on one rank (forward, plus backward when it
+        trains), a split layer's over ``tp`` ranks."""
         layers = self.profile.modules[module].layers
         trains = module not in self.no_backward
-        # the part that scales with the samples (each microbatch also pays the fixed part: the
-        # bounds built on this stay below the cost model's)
+        # the part that scales with the samples (each microbatch also pays the fixed part, and
+        # tp its all-reduces: the bounds built on this stay below the cost model's)
         return [(layer.forward_seconds(1.0) - layer.forward_seconds(0.0)
                  + (layer.backward_seconds(1.0) - layer.backward_seconds(0.0) if trains else 0.0))
-                / self.profile.profile_batch_size for layer in layers]
+                / self.profile.profile_batch_size / layer.split_by(tp) for layer in layers]
 
-    def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[range]:
+    def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0), tp: int = 1) -> list[range]:
         """Stages of ``module`` balanced by time; ``extra`` is the work per sample of modules
         placed beside its first and last stage, which those stages then carry fewer layers for."""
-        key = (module, pp, extra)
+        key = (module, pp, extra, tp)
         if key not in self.splits:
-            if extra == (0.0, 0.0) or pp == 1:
+            if (extra == (0.0, 0.0) and tp == 1) or pp == 1:
                 self.splits[key] = CostModel.split(self.profile, module, pp)
             else:
-                work = self.work(module)
+                work = self.work(module, tp)
                 work[0] += extra[0]
                 work[-1] += extra[1]
                 self.splits[key] = balanced_split(work, pp)
         return self.splits[key]
 
-    def stage_work(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[float]:
-        work = self.work(module)
-        return [sum(work[i] for i in r) for r in self.split(module, pp, extra)]
+    def stage_work(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0), tp: int = 1) -> list[float]:
+        work = self.work(module, tp)
+        return [sum(work[i] for i in r) for r in self.split(module, pp, extra, tp)]
 
-    def beside_work(self, host: str, attached: Iterable[tuple[str, bool]]) -> tuple[float, float]:
+    def beside_work(self, host: str, attached: Iterable[tuple[str, bool]], tp: int = 1) -> tuple[float, float]:
         """Work per sample of the modules beside ``host``'s first and last stage
-        (``(module, at_first)`` pairs; those of other hosts are left out by the caller)."""
-        first = sum(sum(self.work(m)) for m, at_first in attached if at_first)
-        last = sum(sum(self.work(m)) for m, at_first in attached if not at_first)
+        (``(module, at_first)`` pairs; those of other hosts are left out by the caller), at the host's ``tp``."""
+        first = sum(sum(self.work(m, tp)) for m, at_first in attached if at_first)
+        last = sum(sum(self.work(m, tp)) for m, at_first in attached if not at_first)
         return first, last
 
-    def static_floor(self, module: str, pp: int, dp: int, extra: tuple[float, float] = (0.0, 0.0)) -> list[float]:
-        """Smallest static bytes per stage of ``module`` at ``pp x dp`` (sharded when possible)."""
+    def static_floor(self, module: str, pp: int, dp: int, extra: tuple[float, float] = (0.0, 0.0),
+                     tp: int = 1) -> list[float]:
+        """Smallest static bytes per stage of ``module`` at ``pp x dp x tp`` (sharded when possible)."""
         layers = self.profile.modules[module].layers
         factor = self.profile.state_bytes_per_param_byte
         out = []
-        for r in self.split(module, pp, extra):
-            state = sum(layers[i].param_bytes * (factor if layers[i].trainable and module not in self.no_backward
-                                                 else 1.0) for i in r)
+        for r in self.split(module, pp, extra, tp):
+            state = sum(layers[i].param_bytes / layers[i].split_by(tp)
+                        * (factor if layers[i].trainable and module not in self.no_backward else 1.0) for i in r)
             if self.allow_shard and dp > 1:
-                state = state / dp + max(layers[i].param_bytes for i in r)
+                state = state / dp + max(layers[i].param_bytes / layers[i].split_by(tp) for i in r)
             out.append(state)
         return out
 
@@ -260,39 +272,47 @@ def _groupings(space: _Space, colocate: bool) -> Iterator[tuple[list[tuple[str, 
                 yield groups, beside
 
 
+def _group_tps(space: _Space, modules: tuple[str, ...], attached: dict[str, tuple[str, str]]) -> list[int]:
+    """The tp sizes a group may have: every module on its ranks (its own and those beside its
+    stages) shares it, so each of them must allow it."""
+    on_ranks = [*modules, *(a for a, (host, _) in attached.items() if host in modules)]
+    return sorted(set.intersection(*(set(space.tps(m)) for m in on_ranks)))
+
+
 def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, tuple[str, str]],
-                   uniform_pp: Optional[int]) -> list[tuple[int, int, float]]:
-    """``(pp, dp, busy seconds per step)`` of every feasible shape of a group."""
+                   uniform_pp: Optional[int]) -> list[tuple[int, int, int, float]]:
+    """``(pp, dp, tp, busy seconds per step)`` of every feasible shape of a group."""
     profile = space.profile
     max_pp = min(len(profile.modules[m].layers) for m in modules)
     options = []
-    extra = {m: space.beside_work(m, [(a, where == "first") for a, (h, where) in attached.items() if h == m])
-             for m in modules}
-    for pp in range(1, min(max_pp, space.world_size) + 1):
-        if uniform_pp is not None and pp != uniform_pp:
-            continue
-        per_stage = [0.0] * pp
-        for m in modules:
-            for s, w in enumerate(space.stage_work(m, pp, extra[m])):
-                per_stage[s] += w
-        for m, (host, where) in attached.items():
-            if host in modules:
-                per_stage[0 if where == "first" else pp - 1] += sum(space.work(m))
-        for dp in space.dp_options:
-            if pp * dp > space.world_size:
-                break
-            if space.memory_limit is not None:
-                static = [0.0] * pp
-                for m in modules:
-                    for st, b in enumerate(space.static_floor(m, pp, dp, extra[m])):
-                        static[st] += b
-                for m, (host, where) in attached.items():
-                    if host in modules:
-                        static[0 if where == "first" else pp - 1] += space.static_floor(m, 1, dp)[0]
-                if max(static) > space.memory_limit:
-                    space.smallest_static = min(space.smallest_static, max(static))
-                    continue
-            options.append((pp, dp, max(per_stage) * profile.batch_size / dp))
+    for tp in _group_tps(space, modules, attached):
+        extra = {m: space.beside_work(m, [(a, where == "first") for a, (h, where) in attached.items() if h == m], tp)
+                 for m in modules}
+        for pp in range(1, min(max_pp, space.world_size // tp) + 1):
+            if uniform_pp is not None and pp != uniform_pp:
+                continue
+            per_stage = [0.0] * pp
+            for m in modules:
+                for s, w in enumerate(space.stage_work(m, pp, extra[m], tp)):
+                    per_stage[s] += w
+            for m, (host, where) in attached.items():
+                if host in modules:
+                    per_stage[0 if where == "first" else pp - 1] += sum(space.work(m, tp))
+            for dp in space.dp_options:
+                if pp * dp * tp > space.world_size:
+                    break
+                if space.memory_limit is not None:
+                    static = [0.0] * pp
+                    for m in modules:
+                        for st, b in enumerate(space.static_floor(m, pp, dp, extra[m], tp)):
+                            static[st] += b
+                    for m, (host, where) in attached.items():
+                        if host in modules:
+                            static[0 if where == "first" else pp - 1] += space.static_floor(m, 1, dp, tp=tp)[0]
+                    if max(static) > space.memory_limit:
+                        space.smallest_static = min(space.smallest_static, max(static))
+                        continue
+                options.append((pp, dp, tp, max(per_stage) * profile.batch_size / dp))
     return options
 
 
@@ -309,24 +329,24 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
             best = []
             for opts in options:
                 row = [math.inf] * (world + 1)
-                for pp, dp, busy in opts:
-                    row[pp * dp] = min(row[pp * dp], busy)
+                for pp, dp, tp, busy in opts:
+                    row[pp * dp * tp] = min(row[pp * dp * tp], busy)
                 for r in range(1, world + 1):
                     row[r] = min(row[r], row[r - 1])
                 best.append(row)
             n = len(groups)
-            chosen: list[tuple[int, int, float]] = []
+            chosen: list[tuple[int, int, int, float]] = []
 
             def dfs(j: int, left: int, bound: float) -> Iterator[_Structure]:
                 if j == n:
                     if left == 0:
                         beside = tuple((m, h, where) for m, (h, where) in attached.items())
-                        yield _Structure(tuple(_Group(g, pp, dp) for g, (pp, dp, _) in zip(groups, chosen)),
+                        yield _Structure(tuple(_Group(g, pp, dp, tp) for g, (pp, dp, tp, _) in zip(groups, chosen)),
                                          _resolve_beside(beside, groups, chosen), bound)
                     return
                 remaining = n - j - 1
-                for pp, dp, busy in options[j]:
-                    size = pp * dp
+                for pp, dp, tp, busy in options[j]:
+                    size = pp * dp * tp
                     rest = left - size
                     if rest < remaining or (remaining == 0 and rest != 0):
                         continue
@@ -335,7 +355,7 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
                         b = max(b, max(best[k][rest - remaining + 1] for k in range(j + 1, n)))
                     if b >= threshold:
                         continue
-                    chosen.append((pp, dp, busy))
+                    chosen.append((pp, dp, tp, busy))
                     yield from dfs(j + 1, rest, b)
                     chosen.pop()
 
@@ -343,32 +363,34 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
 
 
 def _resolve_beside(beside: tuple[tuple[str, str, str], ...], groups: list[tuple[str, ...]],
-                    chosen: list[tuple[int, int, float]]) -> tuple[tuple[str, str, int], ...]:
-    pp_of = {m: pp for g, (pp, _, _) in zip(groups, chosen) for m in g}
+                    chosen: list[tuple[int, int, int, float]]) -> tuple[tuple[str, str, int], ...]:
+    pp_of = {m: pp for g, (pp, _, _, _) in zip(groups, chosen) for m in g}
     return tuple((m, host, 0 if where == "first" else pp_of[host] - 1) for m, host, where in beside)
 
 
 def _placements(space: _Space, structure: _Structure, collapse: bool = False,
                 flags: Optional[dict[str, tuple[bool, bool]]] = None) -> dict[str, ModulePlacement]:
-    """The placements of a structure (every dp 1 with ``collapse``), in declaration order."""
+    """The placements of a structure (every dp and tp 1 with ``collapse``: one unit per tp
+    group), in declaration order."""
     flags = flags or {}
     by_module: dict[str, ModulePlacement] = {}
     cursor = 0
     groups = sorted(structure.groups, key=lambda g: min(space.order.index(m) for m in g.modules))
     for group in groups:
-        dp = 1 if collapse else group.dp
+        dp, tp = (1, 1) if collapse else (group.dp, group.tp)
         for m in group.modules:
-            extra = space.beside_work(m, [(a, stage == 0) for a, host, stage in structure.beside if host == m])
-            split = tuple(r.start for r in space.split(m, group.pp, extra)[1:]) or None
+            extra = space.beside_work(m, [(a, stage == 0) for a, host, stage in structure.beside if host == m],
+                                      group.tp)
+            split = tuple(r.start for r in space.split(m, group.pp, extra, group.tp)[1:]) or None
             shard, recompute = flags.get(m, (False, False))
             by_module[m] = ModulePlacement(pp=group.pp, dp=dp, rank_offset=cursor, split_points=split,
-                                           shard=shard and not collapse, recompute=recompute)
-        cursor += group.pp * dp
+                                           shard=shard and not collapse, recompute=recompute, tp=tp)
+        cursor += group.pp * dp * tp
     for m, host, stage in structure.beside:
         h = by_module[host]
         shard, recompute = flags.get(m, (False, False))
-        by_module[m] = ModulePlacement(pp=1, dp=h.dp, rank_offset=h.rank_offset + stage * h.dp,  # type: ignore[operator]
-                                       shard=shard and not collapse and h.dp > 1, recompute=recompute)
+        by_module[m] = ModulePlacement(pp=1, dp=h.dp, rank_offset=h.rank_offset + stage * h.dp * h.tp,  # type: ignore[operator]
+                                       shard=shard and not collapse and h.dp > 1, recompute=recompute, tp=h.tp)
     return {m: by_module[m] for m in space.profile.modules}
 
 
@@ -380,14 +402,22 @@ def _dp_of(structure: _Structure) -> dict[str, int]:
     return dp
 
 
-def _one_sample_path(space: _Space, dp: dict[str, int]) -> float:
+def _tp_of(structure: _Structure) -> dict[str, int]:
+    """Every module's tp in ``structure`` (a module beside another has its host's)."""
+    tp = {m: g.tp for g in structure.groups for m in g.modules}
+    for m, host, _ in structure.beside:
+        tp[m] = tp[host]
+    return tp
+
+
+def _one_sample_path(space: _Space, dp: dict[str, int], tp: dict[str, int]) -> float:
     """Compute seconds per sample of the global batch along the longest module path (forward and
     backward of every layer on it, each module's share divided by its dp): times
     ``batch / m`` it is the round trip of one microbatch, which no schedule overlaps."""
     longest: dict[str, float] = {}
     for module in space.order:
         before = max((longest[u] for u in space.upstream[module]), default=0.0)
-        longest[module] = before + sum(space.work(module)) / dp[module]
+        longest[module] = before + sum(space.work(module, tp[module])) / dp[module]
     return max(longest.values(), default=0.0)
 
 
@@ -418,6 +448,7 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
     scale = profile.batch_size / profile.profile_batch_size
     pp_of = {m: g.pp for g in structure.groups for m in g.modules}
     dp_of = {m: g.dp for g in structure.groups for m in g.modules}
+    tp_of = _tp_of(structure)
     where: dict[str, tuple[int, int]] = {}  # module -> (group, first stage's position)
     for i, g in enumerate(structure.groups):
         for m in g.modules:
@@ -432,13 +463,15 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
     for m in space.order:
         layers = profile.modules[m].layers
         trains = m not in space.no_backward
-        extra = space.beside_work(m, attached.get(m, []))
-        for s, r in enumerate(space.split(m, pp_of[m], extra)):
-            # the parts that scale with the samples; the fixed parts per microbatch only add
-            forward[(m, s)] = sum(layers[i].forward_seconds(1.0) - layers[i].forward_seconds(0.0)
-                                  for i in r) * scale / dp_of[m]
-            backward[(m, s)] = sum(layers[i].backward_seconds(1.0) - layers[i].backward_seconds(0.0)
-                                   for i in r) * scale / dp_of[m] if trains else 0.0
+        tp = tp_of[m]
+        extra = space.beside_work(m, attached.get(m, []), tp)
+        for s, r in enumerate(space.split(m, pp_of[m], extra, tp)):
+            # the parts that scale with the samples (a split layer's over tp ranks); the fixed
+            # parts per microbatch and the tp all-reduces only add
+            forward[(m, s)] = sum((layers[i].forward_seconds(1.0) - layers[i].forward_seconds(0.0))
+                                  / layers[i].split_by(tp) for i in r) * scale / dp_of[m]
+            backward[(m, s)] = sum((layers[i].backward_seconds(1.0) - layers[i].backward_seconds(0.0))
+                                   / layers[i].split_by(tp) for i in r) * scale / dp_of[m] if trains else 0.0
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
     for m in space.order:
@@ -601,7 +634,7 @@ class _Evaluator:
 
     def _note_peak(self, peak: float, placements: dict[str, ModulePlacement]) -> None:
         if self.smallest_peak is None or peak < self.smallest_peak[0]:
-            desc = ", ".join(f"{n} {p.pp}x{p.dp}{' shard' if p.shard else ''}{' recompute' if p.recompute else ''}"
+            desc = ", ".join(f"{n} {p.pp}x{p.dp}{f'x{p.tp}' if p.tp > 1 else ''}{' shard' if p.shard else ''}{' recompute' if p.recompute else ''}"
                              for n, p in placements.items())
             self.smallest_peak = (peak, desc)
 
@@ -673,7 +706,8 @@ class _Evaluator:
                 inflight[(rank, slot.module)] = timing.peak_in_flight.get(
                     (small.rank_of(slot.module, slot.stage, 0), slot.module), 0)
         for rank in range(small.world_size):
-            weights.append(placements[small.slots(rank)[0].module].dp)
+            p = placements[small.slots(rank)[0].module]
+            weights.append(p.dp * p.tp)
         peaks = cost.peak_memory(layout, inflight)
         if space.memory_limit is not None and max(peaks) > space.memory_limit:
             self._note_peak(max(peaks), placements)
@@ -713,6 +747,7 @@ def plan_placements(
     exhaustive: bool = False,
     tolerance: float = 0.03,
     calibration: Optional[Calibration] = None,
+    tp_options: Sequence[int] | Mapping[str, Sequence[int]] = (1,),
 ) -> list[Plan]:
     """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
 
@@ -738,6 +773,12 @@ def plan_placements(
         calibration: this machine's measured framework, link and collective costs
             (:func:`lightning_mmpp.plan.calibrate`); overrides the profile's own. ``None``: the
             profile's (none unless ``profile_model(..., calibration=...)`` attached one).
+        tp_options: the tensor-parallel sizes the search may give a module: a sequence, e.g.
+            ``(1, 2, 4)``, for every module whose profile is ``tp_capable`` (its model has the
+            ``pipeline_parallelize`` hook; the other modules keep tp=1), or ``{module: sizes}``
+            for the named modules only (the others keep tp=1), e.g. ``{"llm": (1, 2)}``. The
+            default ``(1,)`` searches no tensor parallelism. Give only sizes the hook supports
+            (e.g. dividing the attention heads): the planner cannot check that.
 
     Raises:
         PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
@@ -749,9 +790,11 @@ def plan_placements(
     if calibration is not None:
         profile = replace(profile, calibration=calibration)
     space = _make_space(profile, world_size, memory_limit_bytes, allow_shard)
+    space.tp_options = _tp_options(profile, tp_options)
     evaluator = _Evaluator(space, allow_recompute)
     search = _Search(evaluator, top_k, tolerance, exhaustive)
-    total = sum(sum(space.work(m)) for m in profile.modules) * profile.batch_size
+    # the least work per rank of each module, at its widest tp: a lower bound of a perfect balance
+    total = sum(sum(space.work(m, max(space.tps(m)))) for m in profile.modules) * profile.batch_size
     perfect = total / world_size
     for factor in [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]:
         threshold = perfect * factor
@@ -763,6 +806,35 @@ def plan_placements(
     if not search.best:
         _raise_nothing_fits(space, evaluator, memory_limit_bytes, world_size)
     return search.best[:top_k]
+
+
+def _tp_options(profile: ModelProfile,
+                options: Sequence[int] | Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """``{module: tp sizes}`` from ``plan_placements(tp_options=...)``; :class:`PipelineConfigError`
+    for a bad size, an unknown module, or tp > 1 for a module its profile says cannot split."""
+    def sizes(values: Any, what: str) -> tuple[int, ...]:
+        if isinstance(values, (int, str)) or not isinstance(values, Iterable):
+            values = (values,)
+        values = tuple(values)
+        if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+            raise PipelineConfigError(
+                f"tp_options{what}={values!r}: give tensor-parallel sizes, integers >= 1, e.g. (1, 2, 4).")
+        return tuple(sorted(set(values)))
+
+    if isinstance(options, Mapping):
+        unknown = [m for m in options if m not in profile.modules]
+        if unknown:
+            raise PipelineConfigError(f"tp_options names modules {unknown} that the profile does not have; "
+                                      f"its modules are {list(profile.modules)}.")
+        chosen = {m: sizes(v, f"[{m!r}]") for m, v in options.items()}
+        for m, values in chosen.items():
+            if max(values) > 1 and not profile.modules[m].tp_capable:
+                raise PipelineConfigError(
+                    f"tp_options[{m!r}]={values}: module {m!r} cannot be split (its profile has tp_capable=False: "
+                    "the model has no pipeline_parallelize hook). Add the hook and profile again, or give it (1,).")
+        return chosen
+    values = sizes(options, "")
+    return {m: values if mod.tp_capable else (1,) for m, mod in profile.modules.items()}
 
 
 def _check_plan_args(world_size: int, schedules: Sequence[ScheduleName | str], tolerance: float) -> list[ScheduleName]:
@@ -821,7 +893,7 @@ class _Search:
             if not _dp_ok(dp, profile.topology):
                 continue
             lcm_dp = math.lcm(*dp.values())
-            path = _one_sample_path(space, dp)
+            path = _one_sample_path(space, dp, _tp_of(structure))
             for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
                 for schedule in schedules:
                     # microbatch 0 alone crosses the longest path forward and back (whole
@@ -896,6 +968,8 @@ def _raise_nothing_fits(space: _Space, evaluator: _Evaluator, limit: Optional[fl
                 "optimizer state alone")
     levers = "with shard=True (dp >= 2) and recompute=True already tried" if space.allow_shard else \
         "allow shard=True (dp >= 2) to split parameters and optimizer state"
+    if all(space.tps(m) == (1,) for m in profile.modules) and any(mod.tp_capable for mod in profile.modules.values()):
+        levers += "; tensor parallelism would split layers over ranks: try tp_options=(1, 2, 4) (CLI --tp 1 2 4)"
     raise PipelineConfigError(
         f"no placement on {world_size} rank(s) fits memory_limit {format_bytes(limit)}: {seen}, {levers}. "
         f"Raise the limit to at least {format_bytes(least)}, use more ranks (parameters, gradients and optimizer "
