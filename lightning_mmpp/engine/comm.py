@@ -890,9 +890,9 @@ class MultiModuleCommunicator:
                    wire: WireLayout) -> list[torch.Tensor]:
         """The tensors of a data part to ``peer``: the small leaves packed (into the channel's
         previous buffer when it is free), then every direct leaf's own memory (no copy)."""
-        reuse = self._send_buffer(peer, key, wire.packed.nbytes)
-        packed = [leaves[i] for i in wire.packed.indices]
         slot = _buffer_slot(peer, key)
+        reuse = self._send_buffer(slot, wire.packed.nbytes)
+        packed = [leaves[i] for i in wire.packed.indices]
         views = self._pack_views.get(slot)
         if reuse is not None and views is not None and views[0] is reuse and views[1] is wire.packed:
             # the channel's buffer and layout as last time: write through the views kept of it
@@ -912,25 +912,20 @@ class MultiModuleCommunicator:
             dests = [buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
                      for meta, offset in zip(wire.packed.metas, wire.packed.offsets)]
             self._pack_views[slot] = (buffer, wire.packed, header, dests)
-        self._keep_send_buffer(peer, key, buffer)
+        self._send_buffers[slot] = buffer
+        self._packed.add(slot)
         return [buffer, *(wire_tensor(leaves[i], self.device) for i in wire.direct_indices)]  # type: ignore[arg-type]
 
-    def _send_buffer(self, peer: int, key: MessageKey, nbytes: int) -> Optional[torch.Tensor]:
-        """The packed buffer of the last message on this (peer, direction, edge) channel, to
-        pack into again: free, since a post first waits for the previous posts' sends; not one
-        already used in this post."""
-        slot = _buffer_slot(peer, key)
+    def _send_buffer(self, slot: tuple[int, Direction, str, str, int, int], nbytes: int) -> Optional[torch.Tensor]:
+        """The packed buffer of the last message on this (peer, direction, edge) channel
+        (``slot``, see :func:`_buffer_slot`), to pack into again: free, since a post first waits
+        for the previous posts' sends; not one already used in this post."""
         buffer = self._send_buffers.get(slot)
         if buffer is None or slot in self._packed or buffer.numel() != nbytes:
             return None
         if any(buffer is sent for _, sent, later in self._pending_sends if later):
             return None  # a later round still in flight
         return buffer
-
-    def _keep_send_buffer(self, peer: int, key: MessageKey, buffer: torch.Tensor) -> None:
-        slot = _buffer_slot(peer, key)
-        self._send_buffers[slot] = buffer
-        self._packed.add(slot)
 
     def _take_local(self, key: MessageKey) -> Any:
         try:
@@ -1151,7 +1146,8 @@ class MultiModuleCommunicator:
                 grads.append(src)
                 continue
             assert isinstance(src, _BackwardIncoming) and src.buffer is not None
-            grads.append(src.spec.unflatten(src.leaves(src.spec, src.wire)))
+            leaves = src.leaves(src.spec, src.wire)
+            grads.append(leaves[0] if src.spec.single_tensor is not None else src.spec.unflatten(leaves))
         if len(grads) == 1:
             return grads[0]
         return concat_payloads(grads, self._batch_dim(key), self._bridge_context(key, "fan-out gradients"))

@@ -177,6 +177,8 @@ def _loss_and_metrics(result: Any, module: str) -> tuple[Tensor, dict[str, Tenso
 
 def _grad_payload(payload: Any) -> Any:
     """The gradients accumulated on the leaves of a received payload (None where there is none)."""
+    if isinstance(payload, Tensor):  # the common one-tensor payload: no tree to map
+        return payload.grad
     return tree_map(lambda x: x.grad if isinstance(x, Tensor) else None, payload)
 
 
@@ -559,11 +561,15 @@ class PipelineRuntime:
 
     def _output_grads(self, step: "_StepState", unit: "_Unit") -> tuple[list[Any], list[Any]]:
         """The stage output's leaves and their gradients (summed over consumers), aligned."""
-        out_leaves, _ = tree_flatten(step.outputs.pop(unit))
+        out = step.outputs.pop(unit)
+        out_leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
         grad: Optional[Any] = None
         for g in step.out_grads.pop(unit, {}).values():
             grad = g if grad is None else _add_payloads(grad, g)
-        grad_leaves = tree_flatten(grad)[0] if grad is not None else [None] * len(out_leaves)
+        if grad is None:
+            grad_leaves: list[Any] = [None] * len(out_leaves)
+        else:
+            grad_leaves = [grad] if isinstance(grad, Tensor) else tree_flatten(grad)[0]
         return out_leaves, grad_leaves
 
     def _backward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
