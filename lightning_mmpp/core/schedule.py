@@ -74,10 +74,10 @@ from lightning_mmpp.core.actions import (
     Schedule,
     Transfer,
 )
-from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName
+from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import PipelineLayout, StageSlot
-from lightning_mmpp.core.simulator import validate_schedule
+from lightning_mmpp.core.simulator import simulate, validate_schedule
 
 __all__ = [
     "NUMBERINGS",
@@ -206,21 +206,35 @@ def _shortest(
     memory: ZeroBubbleMemory, costs: PhaseCosts,
 ) -> Schedule:
     """``"interleaved_1f1b"`` / ``"zbv"``: the shortest, on the planning clock, of the builder's
-    rule variants (forward-first or backward-first; for interleaved_1f1b also Megatron's warmup
-    bound on a rank's chunks or each chunk's own 1F1B bound). No single order is best on every
-    DAG: forward-first with the warmup bound is Megatron's interleaved order on a chain, while a
-    short branch next to deep modules prefers the backward-first order of 1F1B."""
-    bounds = (True, False) if name is ScheduleName.INTERLEAVED_1F1B else (False,)
-    variants = [(f, w, o) for o in (False, True) for f in (True, False) for w in bounds]
-    best: Optional[tuple[float, int, Schedule]] = None
-    for i, (forward_first, warmup_bound, oldest) in enumerate(variants):
+    rule variants (forward-first or backward-first; deeper chunks or older microbatches first;
+    for interleaved_1f1b also Megatron's warmup bound on a rank's chunks or each chunk's own 1F1B
+    bound, and with or without zbv's memory rule, which lets a unit warm up beyond its own bound
+    while its rank holds no more than 1F1B's fullest rank). No single order is best on every DAG:
+    forward-first with the warmup bound is Megatron's interleaved order on a chain, while a short
+    branch next to deep modules prefers the backward-first order of 1F1B, and a non-virtual module
+    feeding virtual ones loses less to their finer chunks when it warms up deeper.
+
+    interleaved_1f1b also weighs 1F1B's own order over the chunks (the ``"1f1b"`` builder run on
+    the same layout), so it is never longer than ``"1f1b"`` on that layout."""
+    interleaved = name is ScheduleName.INTERLEAVED_1F1B
+    bounds = (True, False) if interleaved else (False,)
+    fills = (False, True) if interleaved else (False,)
+    variants = [(f, w, o, fill) for fill in fills for o in (False, True) for f in (True, False) for w in bounds]
+    best: Optional[tuple[float, Schedule]] = None
+    for forward_first, warmup_bound, oldest, fill in variants:
         builder = _TimedBuilder(layout, m, name, numbering, no_backward, memory, costs, forward_first, warmup_bound,
-                                oldest)
+                                oldest, fill)
         schedule = builder.build()
         if best is None or builder.makespan < best[0] - 1e-9:
-            best = (builder.makespan, i, schedule)
+            best = (builder.makespan, schedule)
     assert best is not None
-    return best[2]
+    if interleaved:
+        plain = _LockstepBuilder(layout, m, ScheduleName.ONE_F_ONE_B, False, numbering, no_backward).build()
+        schedule = Schedule(name, m, False, plain.actions)
+        step = simulate(schedule, layout, costs.forward, costs.input + costs.weight, mode=SimulatorMode.EAGER).step_time
+        if step < best[0] - 1e-9:
+            best = (step, schedule)
+    return best[1]
 
 
 def load_schedule(path: str | os.PathLike, layout: PipelineLayout,
@@ -448,10 +462,12 @@ class _TimedBuilder(_Builder):
     def __init__(
         self, layout: PipelineLayout, m: int, name: ScheduleName, numbering: Numbering, no_backward: frozenset[str],
         memory: ZeroBubbleMemory, costs: PhaseCosts, forward_first: bool = False, warmup_bound: bool = False,
-        oldest_first: bool = False,
+        oldest_first: bool = False, fill: bool = False,
     ) -> None:
         super().__init__(layout, m, no_backward)
         self.name = name
+        # interleaved_1f1b: a unit may go beyond its own bound under the memory rule of zbv
+        self.fill = fill
         self.split = name.split_backward
         # the schedules over virtual stages fill the pipeline first: a forward whenever the
         # memory rule allows one, deeper chunks first (Megatron's interleaved order on a chain)
@@ -504,7 +520,8 @@ class _TimedBuilder(_Builder):
         on one rank hold at most ``2 * (depth - index - 1) + (v - 1) * pp + 1`` microbatches
         together, ``depth`` and ``index`` in the numbering without virtual stages (on a chain
         ``depth - index - 1 = pp - 1 - rank``: Megatron's warmup plus one). A module without
-        virtual stages keeps 1F1B's bound in that numbering."""
+        virtual stages keeps 1F1B's bound in that numbering. A unit goes beyond its own bound
+        only under ``fill`` (zbv's rule: while its rank holds no more than 1F1B's fullest rank)."""
         layout = self.layout
         plain = layout.topology.stage_numbering({module: p.pp for module, p in layout.placements.items()})
         for unit, slot in self.units.items():
@@ -516,7 +533,8 @@ class _TimedBuilder(_Builder):
             elif warmup_bound:
                 self.chunk_limit[unit] = 2 * (remaining - 1) + (p.virtual_stages - 1) * p.pp + 1 + extra
                 self.chunk_units[unit] = [u for u in self.units if u[:2] == unit[:2]]
-            self.unit_cap[unit] = self.own_limit[unit]  # nothing deferred: never beyond the own bound
+            if not self.fill:  # else beyond it while the rank holds no more than 1F1B's fullest rank
+                self.unit_cap[unit] = self.own_limit[unit]
 
     # --- readiness at time ``now`` ----------------------------------------------------------
 
