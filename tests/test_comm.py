@@ -218,9 +218,12 @@ def channels_of(layout: PipelineLayout, rank: int) -> int:
     return len(channels)
 
 
-def run_gpipe(layout: PipelineLayout, rank: int, steps: int = 2, microbatches: int = 2) -> dict:
+def run_gpipe(layout: PipelineLayout, rank: int, steps: int = 2, microbatches: int = 2,
+              direct_leaf_bytes: Optional[int] = None) -> dict:
     """All forwards then all backwards; one exchange per direction and microbatch on each rank."""
     comm = KeyedCommunicator(layout, rank, CPU)
+    if direct_leaf_bytes is not None:
+        comm.direct_leaf_bytes = direct_leaf_bytes
     slots = layout.slots(rank)
     recv_mods = [s.module for s in slots if layout.forward_sources(s)]
     send_mods = [s.module for s in slots if layout.forward_targets(s)]
@@ -263,12 +266,13 @@ def run_gpipe(layout: PipelineLayout, rank: int, steps: int = 2, microbatches: i
     return {"checks": checks, **comm.stats.as_dict()}
 
 
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[dict, dict]]) -> list[dict]:
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[dict, dict]],
+                direct_leaf_bytes: Optional[int] = None) -> list[dict]:
     results = []
     for placements, topology in layouts:
         layout = PipelineLayout(placements, topology)
         assert layout.world_size == world_size
-        results.append(run_gpipe(layout, rank))
+        results.append(run_gpipe(layout, rank, direct_leaf_bytes=direct_leaf_bytes))
     return results
 
 
@@ -413,6 +417,19 @@ def test_world3_fan_in_fan_out_two_upstream():
     message = results[2]["error"]
     assert "different structure" in message and "fan-in from 'v' (dp=2) to 'llm' (dp=1)" in message
     assert "['x']" in message and "ranks [0, 1]" in message
+
+
+def world3_direct(rank: int, world_size: int) -> list[dict]:
+    return run_layouts(rank, world_size, WORLD3_LAYOUTS, direct_leaf_bytes=16)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_world3_fan_in_fan_out_with_every_leaf_direct():
+    """The same exchanges with every leaf of >= 16 bytes sent as a transfer of its own (as a
+    leaf of >= 1 MiB is by default): fan-in, fan-out, spec changes and gradients alike."""
+    results = run_distributed(world3_direct, 3, timeout=45)
+    check_gpipe_results(results, WORLD3_LAYOUTS)
 
 
 # --- world of 5: fan-in 4 -> 1, fan-out 1 -> 4, the design's example layout -------------------------
