@@ -173,22 +173,54 @@ class _Space:
     allow_shard: bool
     tp_options: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per module; absent: (1,)
     splits: dict[tuple, list[range]] = field(default_factory=dict)
+    layer_rates: dict[tuple[str, int], tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
+    layer_work: dict[tuple[str, int], tuple[float, ...]] = field(default_factory=dict)
+    module_totals: dict[tuple[str, int], float] = field(default_factory=dict)
     smallest_static: float = math.inf  # least static bytes of a shape rejected for memory
 
     def tps(self, module: str) -> tuple[int, ...]:
         """The tp sizes ``module`` may have."""
         return self.tp_options.get(module, (1,))
 
+    def rates(self, module: str, tp: int = 1) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Forward and backward seconds per profiled batch of every layer on one rank, the parts
+        that scale with the samples (each microbatch also pays the fixed part, and tp its
+        all-reduces: the bounds built on these stay below the cost model's), a split layer's
+        over ``tp`` ranks; backward 0 where the module does not train. Computed once."""
+        key = (module, tp)
+        rates = self.layer_rates.get(key)
+        if rates is None:
+            layers = self.profile.modules[module].layers
+            trains = module not in self.no_backward
+            forward = tuple((layer.forward_seconds(1.0) - layer.forward_seconds(0.0)) / layer.split_by(tp)
+                            for layer in layers)
+            backward = tuple((layer.backward_seconds(1.0) - layer.backward_seconds(0.0)) / layer.split_by(tp)
+                             if trains else 0.0 for layer in layers)
+            rates = self.layer_rates[key] = (forward, backward)
+        return rates
+
     def work(self, module: str, tp: int = 1) -> list[float]:
         """Seconds per sample of every layer on one rank (forward, plus backward when it
-        trains), a split layer's over ``tp`` ranks."""
-        layers = self.profile.modules[module].layers
-        trains = module not in self.no_backward
-        # the part that scales with the samples (each microbatch also pays the fixed part, and
-        # tp its all-reduces: the bounds built on this stay below the cost model's)
-        return [(layer.forward_seconds(1.0) - layer.forward_seconds(0.0)
+        trains), a split layer's over ``tp`` ranks: the parts of :meth:`rates` (a new list;
+        computed once)."""
+        key = (module, tp)
+        work = self.layer_work.get(key)
+        if work is None:
+            layers = self.profile.modules[module].layers
+            trains = module not in self.no_backward
+            work = self.layer_work[key] = tuple(
+                (layer.forward_seconds(1.0) - layer.forward_seconds(0.0)
                  + (layer.backward_seconds(1.0) - layer.backward_seconds(0.0) if trains else 0.0))
-                / self.profile.profile_batch_size / layer.split_by(tp) for layer in layers]
+                / self.profile.profile_batch_size / layer.split_by(tp) for layer in layers)
+        return list(work)
+
+    def module_work(self, module: str, tp: int = 1) -> float:
+        """``sum(work(module, tp))``, computed once."""
+        key = (module, tp)
+        total = self.module_totals.get(key)
+        if total is None:
+            total = self.module_totals[key] = sum(self.work(module, tp))
+        return total
 
     def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0), tp: int = 1) -> list[range]:
         """Stages of ``module`` balanced by time; ``extra`` is the work per sample of modules
@@ -417,7 +449,7 @@ def _one_sample_path(space: _Space, dp: dict[str, int], tp: dict[str, int]) -> f
     longest: dict[str, float] = {}
     for module in space.order:
         before = max((longest[u] for u in space.upstream[module]), default=0.0)
-        longest[module] = before + sum(space.work(module, tp[module])) / dp[module]
+        longest[module] = before + space.module_work(module, tp[module]) / dp[module]
     return max(longest.values(), default=0.0)
 
 
@@ -461,17 +493,14 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
     forward: dict[tuple[str, int], float] = {}
     backward: dict[tuple[str, int], float] = {}
     for m in space.order:
-        layers = profile.modules[m].layers
-        trains = m not in space.no_backward
         tp = tp_of[m]
         extra = space.beside_work(m, attached.get(m, []), tp)
+        # the parts that scale with the samples (a split layer's over tp ranks); the fixed parts
+        # per microbatch and the tp all-reduces only add
+        forward_rates, backward_rates = space.rates(m, tp)
         for s, r in enumerate(space.split(m, pp_of[m], extra, tp)):
-            # the parts that scale with the samples (a split layer's over tp ranks); the fixed
-            # parts per microbatch and the tp all-reduces only add
-            forward[(m, s)] = sum((layers[i].forward_seconds(1.0) - layers[i].forward_seconds(0.0))
-                                  / layers[i].split_by(tp) for i in r) * scale / dp_of[m]
-            backward[(m, s)] = sum((layers[i].backward_seconds(1.0) - layers[i].backward_seconds(0.0))
-                                   / layers[i].split_by(tp) for i in r) * scale / dp_of[m] if trains else 0.0
+            forward[(m, s)] = sum(forward_rates[r.start:r.stop]) * scale / dp_of[m]
+            backward[(m, s)] = sum(backward_rates[r.start:r.stop]) * scale / dp_of[m]
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
     for m in space.order:
