@@ -3,6 +3,7 @@
     python benchmarks/bench_plan.py              # planner time + ratios (one process, seconds)
     python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (5 processes)
     python benchmarks/bench_plan.py --search     # only the 64 ranks x 4 modules search: wall and CPU time
+    python benchmarks/bench_plan.py --search --tp 1 2 4   # the same, tp searched too
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
 * predicted step of the top plan against the best uniform layout (every module the same pp,
@@ -311,14 +312,16 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
               f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
 
 
-def search_section(repeats: int = 3) -> None:
+def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,)) -> None:
     """The 64 ranks x 4 modules search (issue 28's <= 10 s): wall and CPU seconds per call (CPU
-    time is robust to other processes on the machine), the load, and the top plan."""
+    time is robust to other processes on the machine), the load, and the top plan; ``tp``: the
+    tp sizes searched (every module of the profile may split)."""
     profile = vlm_profile(True)
-    print(f"search: 64 ranks x 4 modules, memory limit 40 GiB, top_k=5; load {os.getloadavg()[0]:.2f}")
+    print(f"search: 64 ranks x 4 modules, memory limit 40 GiB, top_k=5, tp_options={tp}; "
+          f"load {os.getloadavg()[0]:.2f}")
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
-        plans = plan_placements(profile, 64, memory_limit_bytes=40 * GiB, top_k=5)
+        plans = plan_placements(profile, 64, memory_limit_bytes=40 * GiB, top_k=5, tp_options=tp)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         print(f"  wall {wall:.2f} s  CPU {cpu:.2f} s  top {plans[0].step_time_s * 1e3:.1f} ms "
               f"(5th {plans[-1].step_time_s * 1e3:.1f} ms)  load {os.getloadavg()[0]:.2f}")
@@ -336,9 +339,10 @@ def main() -> None:
     parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],
                         help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
     args = parser.parse_args()
     if args.search:
-        search_section()
+        search_section(tp=tuple(args.tp))
         return
     if args.accuracy:
         accuracy_section(args.accuracy_world, 32, 16, args.steps, args.memory_limit)

@@ -184,34 +184,35 @@ class _Space:
 
     def rates(self, module: str, tp: int = 1) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per profiled batch of every layer on one rank, the parts
-        that scale with the samples (each microbatch also pays the fixed part, and tp its
-        all-reduces: the bounds built on these stay below the cost model's), a split layer's
-        over ``tp`` ranks; backward 0 where the module does not train. Computed once."""
+        that scale with the samples (each microbatch also pays the fixed part, and tp the
+        latencies of its all-reduces: the bounds built on these stay below the cost model's), a
+        split layer's over ``tp`` ranks plus the bytes part of its tp all-reduces
+        (:meth:`tp_seconds_per_byte`); backward 0 where the module does not train. Computed once."""
         key = (module, tp)
         rates = self.layer_rates.get(key)
         if rates is None:
             layers = self.profile.modules[module].layers
             trains = module not in self.no_backward
-            forward = tuple((layer.forward_seconds(1.0) - layer.forward_seconds(0.0)) / layer.split_by(tp)
-                            for layer in layers)
-            backward = tuple((layer.backward_seconds(1.0) - layer.backward_seconds(0.0)) / layer.split_by(tp)
-                             if trains else 0.0 for layer in layers)
+            # the bytes part of a split layer's tp all-reduces on the profiled batch, forward and backward
+            comm = [self.tp_seconds_per_byte(tp) * layer.tp_allreduces * layer.output_bytes_per_sample
+                    * self.profile.profile_batch_size for layer in layers]
+            forward = tuple((layer.forward_seconds(1.0) - layer.forward_seconds(0.0)) / layer.split_by(tp) + c
+                            for layer, c in zip(layers, comm))
+            backward = tuple((layer.backward_seconds(1.0) - layer.backward_seconds(0.0)) / layer.split_by(tp) + c
+                             if trains else 0.0 for layer, c in zip(layers, comm))
             rates = self.layer_rates[key] = (forward, backward)
         return rates
 
     def work(self, module: str, tp: int = 1) -> list[float]:
         """Seconds per sample of every layer on one rank (forward, plus backward when it
-        trains), a split layer's over ``tp`` ranks: the parts of :meth:`rates` (a new list;
-        computed once)."""
+        trains), a split layer's over ``tp`` ranks plus the bytes part of its tp all-reduces:
+        the parts of :meth:`rates` (a new list; computed once)."""
         key = (module, tp)
         work = self.layer_work.get(key)
         if work is None:
-            layers = self.profile.modules[module].layers
-            trains = module not in self.no_backward
-            work = self.layer_work[key] = tuple(
-                (layer.forward_seconds(1.0) - layer.forward_seconds(0.0)
-                 + (layer.backward_seconds(1.0) - layer.backward_seconds(0.0) if trains else 0.0))
-                / self.profile.profile_batch_size / layer.split_by(tp) for layer in layers)
+            forward, backward = self.rates(module, tp)
+            batch = self.profile.profile_batch_size
+            work = self.layer_work[key] = tuple((f + b) / batch for f, b in zip(forward, backward))
         return list(work)
 
     def module_work(self, module: str, tp: int = 1) -> float:
@@ -221,6 +222,20 @@ class _Space:
         if total is None:
             total = self.module_totals[key] = sum(self.work(module, tp))
         return total
+
+    def tp_seconds_per_byte(self, tp: int) -> float:
+        """A lower bound of the cost model's tp all-reduce per byte of activation over ``tp``
+        ranks: the ring's bytes over the bandwidth (0 where a calibrated per-call part is
+        negative, so that the bound stays below every charge)."""
+        if tp <= 1:
+            return 0.0
+        cal = self.profile.calibration
+        steps = 2 * (tp - 1)
+        if cal is None:
+            return steps / tp / self.profile.bandwidth_bytes_per_s
+        if cal.allreduce_call_s + steps * cal.allreduce_latency_s < 0:
+            return 0.0
+        return steps / tp / cal.allreduce_bandwidth
 
     def split(self, module: str, pp: int, extra: tuple[float, float] = (0.0, 0.0), tp: int = 1) -> list[range]:
         """Stages of ``module`` balanced by time; ``extra`` is the work per sample of modules
@@ -495,8 +510,8 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
     for m in space.order:
         tp = tp_of[m]
         extra = space.beside_work(m, attached.get(m, []), tp)
-        # the parts that scale with the samples (a split layer's over tp ranks); the fixed parts
-        # per microbatch and the tp all-reduces only add
+        # the parts that scale with the samples (a split layer's over tp ranks, with the bytes
+        # of its tp all-reduces); the fixed parts per microbatch and the latencies only add
         forward_rates, backward_rates = space.rates(m, tp)
         for s, r in enumerate(space.split(m, pp_of[m], extra, tp)):
             forward[(m, s)] = sum(forward_rates[r.start:r.stop]) * scale / dp_of[m]
@@ -822,8 +837,8 @@ def plan_placements(
     space.tp_options = _tp_options(profile, tp_options)
     evaluator = _Evaluator(space, allow_recompute)
     search = _Search(evaluator, top_k, tolerance, exhaustive)
-    # the least work per rank of each module, at its widest tp: a lower bound of a perfect balance
-    total = sum(sum(space.work(m, max(space.tps(m)))) for m in profile.modules) * profile.batch_size
+    # the least work per rank of each module over its tp sizes: a lower bound of a perfect balance
+    total = sum(min(sum(space.work(m, tp)) for tp in space.tps(m)) for m in profile.modules) * profile.batch_size
     perfect = total / world_size
     for factor in [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]:
         threshold = perfect * factor
