@@ -4,6 +4,7 @@
     python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (5 processes)
     python benchmarks/bench_plan.py --search     # only the 64 ranks x 4 modules search: wall and CPU time
     python benchmarks/bench_plan.py --search --tp 1 2 4   # the same, tp searched too
+    python benchmarks/bench_plan.py --tp-check   # calibrate(4), then a planned tp=2 LM: predicted vs Trainer.fit
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
 * predicted step of the top plan against the best uniform layout (every module the same pp,
@@ -328,6 +329,46 @@ def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,)) -> None:
     print(f"  top: {plans[0].describe()}, m={plans[0].num_microbatches}")
 
 
+TP_TOPOLOGY = {"enc_a": ["llm"], "llm": []}
+
+
+def _tp_test_model() -> Any:
+    """The test suite's transformer-block LM with a ``pipeline_parallelize`` hook, behind an encoder."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from models import TensorParallelModel
+
+    return TensorParallelModel(TP_TOPOLOGY, llm_layers=4)
+
+
+def tp_check_section(world: int = 4, steps: int = 5) -> None:
+    """Calibrate, profile the test suite's tp model, plan with ``tp_options={"llm": (1, 2)}`` and
+    with the LM held at tp=2, train both plans through ``Trainer.fit``: predicted vs measured."""
+    from lightning_mmpp.plan import calibrate, plans_table, profile_model
+    from lightning_mmpp.plan.launch import rank_threads
+    from lightning_mmpp.plan.validate import measure_plans
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from models import Head, make_loader
+
+    cal = calibrate(world)
+    batch = next(iter(make_loader(TP_TOPOLOGY, 8, 8)))
+    model = _tp_test_model()
+    profile = profile_model(model, batch, calibration=cal, num_threads=rank_threads(world))
+    for layer, module in zip(profile.modules["llm"].layers, model.llm):
+        if isinstance(module, Head):
+            layer.tp_allreduces = 0  # the hook leaves the head whole
+    print(f"tp check: {world} ranks, load {os.getloadavg()[0]:.2f}")
+    searched = plan_placements(profile, world, top_k=3, tp_options={"llm": (1, 2)})
+    held = plan_placements(profile, world, top_k=1, tp_options={"llm": (2,)})
+    print(plans_table(searched))
+    plans = [searched[0], held[0]]
+    measured = measure_plans(_tp_test_model, batch, plans, steps=steps)
+    for name, plan, seconds in zip(("top, tp searched", "best with llm tp=2"), plans, measured):
+        print(f"{name}: {plan.describe()} m={plan.num_microbatches}: predicted {plan.step_time_s * 1e3:.1f} ms, "
+              f"measured {seconds * 1e3:.1f} ms, measured/predicted {seconds / plan.step_time_s:.2f}")
+    print(f"load {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--validate", action="store_true")
@@ -340,9 +381,14 @@ def main() -> None:
                         help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
+    parser.add_argument("--tp-check", action="store_true",
+                        help="only the tp check: a planned tp=2 LM, predicted vs measured through Trainer.fit")
     args = parser.parse_args()
     if args.search:
         search_section(tp=tuple(args.tp))
+        return
+    if args.tp_check:
+        tp_check_section(steps=args.steps)
         return
     if args.accuracy:
         accuracy_section(args.accuracy_world, 32, 16, args.steps, args.memory_limit)
