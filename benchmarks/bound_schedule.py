@@ -3,13 +3,18 @@
     python benchmarks/bound_schedule.py            # the random DAGs of bench_schedule.py where
                                                    # interleaved_1f1b is longer than 1F1B
     python benchmarks/bound_schedule.py --seeds 124 --time-limit 600
+    python benchmarks/bound_schedule.py --memory   # no rank above 1F1B's fullest rank
 
 Needs scipy (``pip install scipy``: its MILP solver, HiGHS). The model is the simulator's eager
 clock without transfer latency: every forward / fused backward of every (rank, module, chunk)
 and microbatch is a job of fixed length (F = 1, B = 2 per whole stage, ``1/v`` of it per chunk),
 one job at a time per rank, a forward after its inputs' forwards, a backward after its own
 forward and its consumers' backwards. No memory limit: a bound found here holds for every
-schedule, whatever it holds in flight.
+schedule, whatever it holds in flight. ``--memory`` adds issue 32's memory rule of zbv: no
+rank holds more than 1F1B's fullest rank without virtual stages (a microbatch from its
+forward's start to its backward's end, ``1/v`` of a stage per chunk). interleaved_1f1b's own
+rules may hold more (Megatron's warmup bound does on a chain), so a "no" with ``--memory``
+speaks of schedules within that rule only.
 
 To keep the problem small it drops every job of a replica other than 0 (dp > 1). Dropping jobs
 only removes constraints, so "no schedule of the kept jobs finishes by T" still proves that no
@@ -29,6 +34,7 @@ import sys
 import time
 from collections import defaultdict
 from fractions import Fraction
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +42,7 @@ from lightning_mmpp.core.placement import PipelineLayout  # noqa: E402
 from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import simulate  # noqa: E402
 
-from bench_schedule import VIRTUAL_CHOICES, random_placements  # noqa: E402
+from bench_schedule import VIRTUAL_CHOICES, one_f_one_b_bound, random_placements  # noqa: E402
 
 Job = tuple[int, str, int, str, int]  # (rank, module, chunk, "F" or "B", microbatch)
 
@@ -63,10 +69,20 @@ def replica0_jobs(layout: PipelineLayout, m: int) -> tuple[dict[Job, int], list[
     return length, after, grid
 
 
-def finishes_by(length: dict[Job, int], after: list[tuple[Job, Job]], horizon: int,
-                time_limit: float) -> tuple[str, float]:
+def memory_caps(plain: PipelineLayout, m: int) -> dict[int, float]:
+    """1F1B's fullest rank on ``plain`` (the layout without virtual stages), for every rank, in
+    whole stages' microbatches."""
+    fullest = float(one_f_one_b_bound(plain, m))
+    return {rank: fullest for rank in range(plain.world_size)}
+
+
+def finishes_by(length: dict[Job, int], after: list[tuple[Job, Job]], horizon: int, time_limit: float,
+                caps: Optional[dict[int, float]] = None,
+                weight: Optional[dict[str, float]] = None) -> tuple[str, float]:
     """``"yes"`` (a schedule of the jobs ends by ``horizon`` grid steps), ``"no"`` (proved
-    impossible) or ``"unknown"`` (time limit), and the solver's seconds."""
+    impossible) or ``"unknown"`` (time limit), and the solver's seconds. With ``caps``, a rank
+    holds at most ``caps[rank]`` (a microbatch from its forward's start to its backward's end,
+    ``weight[module]`` of it per job)."""
     import numpy as np
     import scipy.sparse as sparse
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -127,6 +143,20 @@ def finishes_by(length: dict[Job, int], after: list[tuple[Job, Job]], horizon: i
             if len(columns) > 1:
                 constraint(columns, -np.inf, 1)
                 coef.extend([1.0] * len(columns))
+    if caps is not None:
+        assert weight is not None
+        for rank, jobs in per_rank.items():  # held at t: forwards started by t, less backwards ended by t
+            for t in range(horizon):
+                columns, values = [], []
+                for j in jobs:
+                    if j[3] == "F":
+                        starts = range(head[j], min(last[j], t) + 1)
+                    else:
+                        starts = range(head[j], min(last[j], t - length[j]) + 1)
+                    columns += [var[(j, s)] for s in starts]
+                    values += [weight[j[1]] if j[3] == "F" else -weight[j[1]]] * len(starts)
+                constraint(columns, -np.inf, caps[rank] + 1e-9)
+                coef.extend(values)
     matrix = sparse.csr_matrix((coef, (rows, cols)), shape=(len(lo), len(var)))
     start = time.perf_counter()
     result = milp(np.zeros(len(var)), constraints=LinearConstraint(matrix, lo, hi), integrality=np.ones(len(var)),
@@ -141,9 +171,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="*", help="layout indices of the seed-0 family (default: the "
                         "ones where interleaved_1f1b is longer than 1F1B)")
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per check")
+    parser.add_argument("--memory", action="store_true", help="no rank holds more than 1F1B's fullest rank")
     args = parser.parse_args()
     print("$ python benchmarks/bound_schedule.py" + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
-          + (f" --time-limit {args.time_limit:g}" if args.time_limit != 120.0 else ""))
+          + (f" --time-limit {args.time_limit:g}" if args.time_limit != 120.0 else "")
+          + (" --memory" if args.memory else ""))
     rng = random.Random(0)
     print("index  m  1f1b (v=1)  interleaved_1f1b  can any schedule of the virtual layout end by 1F1B's step?")
     for i in range(200):
@@ -158,10 +190,13 @@ def main() -> None:
         if args.seeds is None and ours <= base + 1e-9:
             continue
         length, after, grid = replica0_jobs(layout, m)
+        caps = memory_caps(plain, m) if args.memory else None
+        weight = {name: 1.0 / p.virtual_stages for name, p in layout.placements.items()}
         verdict, seconds = finishes_by(length, after, int(Fraction(base).limit_denominator(1000) / grid),
-                                       args.time_limit)
-        meaning = {"no": "no (proved: longer than 1F1B on every schedule)",
-                   "yes": "yes, ignoring memory limits", "unknown": "unknown (time limit)"}[verdict]
+                                       args.time_limit, caps, weight)
+        rules = "no rank above 1F1B's fullest" if args.memory else "whatever it holds"
+        meaning = {"no": f"no (proved, {rules})", "yes": f"yes ({rules})",
+                   "unknown": "unknown (time limit)"}[verdict]
         print(f"{i:5d} {m:2d} {base:11.3f} {ours:17.3f}  {meaning} [{seconds:.1f} s]", flush=True)
 
 
