@@ -841,7 +841,9 @@ def plan_placements(
     total = sum(min(sum(space.work(m, tp)) for tp in space.tps(m)) for m in profile.modules) * profile.batch_size
     perfect = total / world_size
     for factor in [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]:
-        threshold = perfect * factor
+        # no higher than the bound the plans found so far rule out: structures at or above it
+        # are hopeless, so enumerating them (the bulk of a search with tp) is skipped
+        threshold = min(perfect * factor, search.cutoff())
         search.run(search.candidates(threshold, schedule_names, num_microbatches,
                                      colocate=allow_colocation and not uniform, uniform=uniform))
         # structures not enumerated yet have a busiest rank (so a step) of at least ``threshold``
@@ -917,6 +919,16 @@ class _Search:
         self.seen_plans: set = set()
         self.fill_bounds: dict = {}
 
+    def cutoff(self) -> float:
+        """The least bound :meth:`hopeless` rules out now (``inf`` until ``top_k`` plans are
+        known, and in an exhaustive search); the plans found later only lower it."""
+        if self.exhaustive or len(self.best) < self.top_k:
+            return math.inf
+        cutoff = self.best[self.top_k - 1].step_time_s
+        if self.tolerance > 0:
+            cutoff = min(cutoff, self.best[0].step_time_s / (1 + self.tolerance))
+        return cutoff
+
     def hopeless(self, bound: float) -> bool:
         """Whether a candidate whose step is at least ``bound`` can be skipped."""
         best, top_k = self.best, self.top_k
@@ -932,7 +944,14 @@ class _Search:
         space = self.space
         profile = space.profile
         queue: list[_Candidate] = []
+        schedules = list(dict.fromkeys(schedules))
         for structure in _structures(space, threshold, colocate, uniform):
+            # a structure met below an earlier threshold queued all its candidates then: one
+            # look-up per structure (tp multiplies the structures; a key per candidate cost 15% of the search)
+            seen = (structure.groups, structure.beside)
+            if seen in self.evaluated:
+                continue
+            self.evaluated.add(seen)
             dp = _dp_of(structure)
             if not _dp_ok(dp, profile.topology):
                 continue
@@ -945,10 +964,6 @@ class _Search:
                     # microbatches are ruled out here, before any cost model is built
                     fused = schedule is not ScheduleName.ZERO_BUBBLE
                     bound = max(structure.busy, path * profile.batch_size / m) if fused else structure.busy
-                    key = (structure.groups, structure.beside, m, schedule)
-                    if key in self.evaluated:
-                        continue
-                    self.evaluated.add(key)
                     queue.append((bound, len(queue), 0, structure, m, schedule, None))
         return queue
 
