@@ -154,7 +154,11 @@ def test_stage_costs_with_tp():
                       {"enc": ModulePlacement(rank_offset=0),
                        "llm": ModulePlacement(pp=2, tp=1, rank_offset=1, split_points=(1,))}, 1)
     tp_part = cal.allreduce_seconds(2 * nbytes, 2, 2)
-    relay_cal = 1e-3 + 2e-4 + MB / 5e8
+    relay_cal = 1e-3 + 2 * 2e-4 + MB / 5e8
+    # a fitted negative per-call part never makes the broadcast cheaper than its bytes
+    negative = ModelProfile(**{**profile.__dict__, "calibration": Calibration(
+        world_size=2, allreduce_call_s=-5e-3, allreduce_latency_s=1e-3, allreduce_bandwidth=5e8)})
+    assert broadcast_seconds(MB, 2, negative) == pytest.approx(MB / 5e8)
     assert calibrated.stage("llm", 0).forward_s - uncal.stage("llm", 0).forward_s == pytest.approx(
         -0.008 / 2 + tp_part + relay_cal)
 

@@ -251,14 +251,16 @@ def allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: floa
 
 def broadcast_seconds(nbytes: float, group: int, profile: "ModelProfile") -> float:
     """A tp group's lead broadcasting ``nbytes`` to the other ``group - 1`` ranks (a pipelined
-    ring: the bytes once over the link, a latency per hop): with the profile's calibration, its
-    all-reduce's per-call cost, per-step latency and bandwidth; otherwise ``bandwidth`` and
-    ``latency``."""
+    ring: the bytes once over the link, a latency per hop). With the profile's calibration: the
+    fixed cost of one calibrated all-reduce over the group (one collective call over the same
+    ranks; never below 0, as the fitted per-call part alone may be) plus the bytes once over its
+    bandwidth; otherwise ``bandwidth`` and ``latency``."""
     if group <= 1 or nbytes <= 0:
         return 0.0
     cal = profile.calibration
     if cal is not None:
-        return cal.allreduce_call_s + (group - 1) * cal.allreduce_latency_s + nbytes / cal.allreduce_bandwidth
+        fixed = cal.allreduce_call_s + 2 * (group - 1) * cal.allreduce_latency_s
+        return max(0.0, fixed) + nbytes / cal.allreduce_bandwidth
     return nbytes / profile.bandwidth_bytes_per_s + (group - 1) * profile.latency_s
 
 
