@@ -186,8 +186,9 @@ def build_schedule(
     """Build the action lists of every rank for one step of ``num_microbatches`` microbatches.
 
     ``no_backward_modules`` must be closed upstream (every upstream module of a member is a
-    member): gradients never need to reach them. ``memory`` and ``costs`` apply to
-    ``"zero_bubble"`` only.
+    member): gradients never need to reach them. ``memory`` and ``costs`` apply to the timed
+    builders (``"zero_bubble"``, ``"interleaved_1f1b"`` and ``"zbv"``): the rank memory rule and
+    the phase costs their variants are timed with.
     """
     name, numbering = check_schedule_args(name, num_microbatches, numbering)
     no_backward = frozenset(no_backward_modules)
