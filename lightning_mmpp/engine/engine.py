@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from lightning_mmpp.core.actions import Schedule
 from lightning_mmpp.core.kinds import DEFAULT_NUMBERING, Numbering, ScheduleName, StepKind
-from lightning_mmpp.core.placement import PipelineLayout
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.core.schedule import build_schedule, check_schedule_args
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
 from lightning_mmpp.engine.data_parallel import StageGradients
@@ -314,29 +314,15 @@ class PipelineEngine:
 
     def _shard_while_building(self, partition: Partition) -> list[tuple[str, str, nn.Module]]:
         """``(module, layer name, layer)`` of every layer of a sharded stage that is wholly on the
-        meta device: it is sharded before it is allocated (see :mod:`lightning_mmpp.model.construction`)."""
-        layers = []
-        for module, runner in partition.runners.items():
-            placement = self.layout.placements[module]
-            if placement.shard and placement.tp == 1:  # a tp layer is parallelized (whole) before it is sharded
-                for name, layer in zip(runner.layer_names, runner.layers):
-                    tensors = [*layer.parameters(), *layer.buffers()]
-                    if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
-                        layers.append((module, name, layer))
-        return layers
+        meta device: it is sharded before it is allocated (see :mod:`lightning_mmpp.model.construction`).
+        A tp layer is split (whole) before it is sharded: :meth:`_split_while_building`."""
+        return _meta_layers(partition, lambda p: p.shard and p.tp == 1, self.layout)
 
     def _split_while_building(self, partition: Partition) -> list[tuple[str, str, nn.Module]]:
         """``(module, layer name, layer)`` of every layer of a tp stage that is wholly on the meta
         device: it is built whole and split at once, one layer at a time (see
         :mod:`lightning_mmpp.model.construction`)."""
-        layers = []
-        for module, runner in partition.runners.items():
-            if self.layout.placements[module].tp > 1:
-                for name, layer in zip(runner.layer_names, runner.layers):
-                    tensors = [*layer.parameters(), *layer.buffers()]
-                    if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
-                        layers.append((module, name, layer))
-        return layers
+        return _meta_layers(partition, lambda p: p.tp > 1, self.layout)
 
     def _split_layer(self, partition: Partition) -> Callable[[str, nn.Module], None]:
         """The callback that splits a just-built layer of a tp stage: the model's hook, then
@@ -659,3 +645,17 @@ def default_device() -> torch.device:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
+
+def _meta_layers(
+    partition: Partition, wanted: Callable[[ModulePlacement], bool], layout: PipelineLayout
+) -> list[tuple[str, str, nn.Module]]:
+    """``(module, layer name, layer)`` of every layer with parameters, all of its tensors on the
+    meta device, of this rank's stages whose placement is ``wanted``."""
+    layers = []
+    for module, runner in partition.runners.items():
+        if wanted(layout.placements[module]):
+            for name, layer in zip(runner.layer_names, runner.layers):
+                tensors = [*layer.parameters(), *layer.buffers()]
+                if any(True for _ in layer.parameters()) and all(t.is_meta for t in tensors):
+                    layers.append((module, name, layer))
+    return layers
