@@ -258,8 +258,8 @@ class _Space:
     def beside_work(self, host: str, attached: Iterable[tuple[str, bool]], tp: int = 1) -> tuple[float, float]:
         """Work per sample of the modules beside ``host``'s first and last stage
         (``(module, at_first)`` pairs; those of other hosts are left out by the caller), at the host's ``tp``."""
-        first = sum(sum(self.work(m, tp)) for m, at_first in attached if at_first)
-        last = sum(sum(self.work(m, tp)) for m, at_first in attached if not at_first)
+        first = sum(self.module_work(m, tp) for m, at_first in attached if at_first)
+        last = sum(self.module_work(m, tp) for m, at_first in attached if not at_first)
         return first, last
 
     def static_floor(self, module: str, pp: int, dp: int, extra: tuple[float, float] = (0.0, 0.0),
@@ -344,7 +344,7 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
                     per_stage[s] += w
             for m, (host, where) in attached.items():
                 if host in modules:
-                    per_stage[0 if where == "first" else pp - 1] += sum(space.work(m, tp))
+                    per_stage[0 if where == "first" else pp - 1] += space.module_work(m, tp)
             for dp in space.dp_options:
                 if pp * dp * tp > space.world_size:
                     break
@@ -838,7 +838,7 @@ def plan_placements(
     evaluator = _Evaluator(space, allow_recompute)
     search = _Search(evaluator, top_k, tolerance, exhaustive)
     # the least work per rank of each module over its tp sizes: a lower bound of a perfect balance
-    total = sum(min(sum(space.work(m, tp)) for tp in space.tps(m)) for m in profile.modules) * profile.batch_size
+    total = sum(min(space.module_work(m, tp) for tp in space.tps(m)) for m in profile.modules) * profile.batch_size
     perfect = total / world_size
     for factor in [math.inf] if exhaustive else [1.15, 1.5, 2.5, 5.0, math.inf]:
         # no higher than the bound the plans found so far rule out: structures at or above it
