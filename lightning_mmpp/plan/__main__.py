@@ -9,7 +9,10 @@
 (:func:`lightning_mmpp.plan.calibrate`, on ``--calibrate-ranks`` local processes) and writes them
 to ``--calibration FILE`` when given; ``--calibration FILE`` alone reads a saved calibration.
 ``--tp 1 2 4`` lets the search give a module those tensor-parallel sizes (every module whose
-model has the ``pipeline_parallelize`` hook, or only ``--tp-modules NAME ...``).
+model has the ``pipeline_parallelize`` hook, or only ``--tp-modules NAME ...``); ``--virtual 1 2``
+lets it give a module 2 chunks per rank (``virtual_stages``; every module, or only
+``--virtual-modules NAME ...``), scored under ``interleaved_1f1b`` (``zbv`` where ``--schedules``
+lists ``zero_bubble``).
 ``--validate K`` then trains the top K plans a few steps through ``Trainer.fit`` on this
 machine (``--world-size`` local processes, the sample batch at every step) and prints the
 measured step beside the predicted one.
@@ -127,6 +130,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "pipeline_parallelize hook; default 1: none)")
     parser.add_argument("--tp-modules", nargs="+", metavar="MODULE",
                         help="only these modules may get the --tp sizes (the others keep tp=1)")
+    parser.add_argument("--virtual", type=int, nargs="+", default=[1], metavar="V",
+                        help="virtual stages (chunks per rank) to search, e.g. --virtual 1 2 (interleaved_1f1b, "
+                        "or zbv when zero_bubble is listed, for the candidates with v > 1; default 1: none)")
+    parser.add_argument("--virtual-modules", nargs="+", metavar="MODULE",
+                        help="only these modules may get the --virtual counts (the others keep 1)")
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="the top plan is within 1 + this of an exhaustive search's best (0: exact, slower)")
     parser.add_argument("--device", default="cpu", help="where to profile")
@@ -163,7 +171,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         plans = plan_placements(profile, args.world_size, args.microbatches, args.memory_limit,
                                 tuple(s.strip() for s in args.schedules.split(",")), args.top_k,
                                 batch_size=args.batch_size, tolerance=args.tolerance, calibration=calibration,
-                                tp_options={m: args.tp for m in args.tp_modules} if args.tp_modules else args.tp)
+                                tp_options={m: args.tp for m in args.tp_modules} if args.tp_modules else args.tp,
+                                virtual_options={m: args.virtual for m in args.virtual_modules}
+                                if args.virtual_modules else args.virtual)
     except PipelineConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

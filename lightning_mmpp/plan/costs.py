@@ -311,29 +311,38 @@ class StageCost:
 class CostModel:
     """Costs of one candidate; see the module docstring.
 
+    A module with ``virtual_stages=v`` has ``pp * v`` stages (chunks), each costed on its own
+    layers; a hand-off between two of its stages on the same rank (the bottom of a V with
+    ``v_shape``) stays in the process and costs nothing, like a bridge between modules on the
+    same ranks.
+
     Args:
         profile: the measured model.
         placements: ``{module: ModulePlacement}``; ``split_points=None`` balances the stages by
             measured time (:meth:`split`).
         num_microbatches: microbatches per step.
         no_backward: modules that run no backward (frozen with nothing trainable upstream).
+        v_shape: the chunks of modules with virtual stages sit V-shaped (``schedule="zbv"``), not
+            interleaved (see :mod:`lightning_mmpp.core.placement`).
     """
 
     def __init__(self, profile: ModelProfile, placements: Mapping[str, ModulePlacement], num_microbatches: int,
-                 no_backward: frozenset[str] = frozenset(), memo: Optional[dict] = None) -> None:
+                 no_backward: frozenset[str] = frozenset(), memo: Optional[dict] = None, v_shape: bool = False) -> None:
         self.profile = profile
         self.placements = dict(placements)
         self.m = num_microbatches
         self.no_backward = no_backward
-        self._ranges = {name: self.split(profile, name, p.pp, p.split_points) for name, p in self.placements.items()}
+        self.v_shape = v_shape
+        self._ranges = {name: self.split(profile, name, p.num_stages, p.split_points)
+                        for name, p in self.placements.items()}
         self._stages: dict[tuple[str, int], StageCost] = {}
         for name, placement in self.placements.items():
             # a stage's costs depend on its own placement, m and its neighbours' dp and
             # colocation only: a search shares them across candidates through ``memo``
-            key = (name, placement, num_microbatches, self._neighbours(name)) if memo is not None else None
+            key = (name, placement, num_microbatches, self._neighbours(name), v_shape) if memo is not None else None
             stages = memo.get(key) if key is not None else None
             if stages is None:
-                stages = [self._stage(name, stage) for stage in range(placement.pp)]
+                stages = [self._stage(name, stage) for stage in range(placement.num_stages)]
                 if key is not None:
                     memo[key] = stages
             for stage, cost in enumerate(stages):
@@ -349,7 +358,8 @@ class CostModel:
 
     @staticmethod
     def split(profile: ModelProfile, module: str, pp: int, split_points: Optional[Sequence[int]] = None) -> list[range]:
-        """Layer ranges of the ``pp`` stages: ``split_points`` if given, else balanced by time."""
+        """Layer ranges of the ``pp`` stages (``pp * virtual_stages`` with virtual stages):
+        ``split_points`` if given, else balanced by time."""
         layers = profile.modules[module].layers
         if split_points is not None:
             bounds = [0, *split_points, len(layers)]
@@ -377,7 +387,13 @@ class CostModel:
         a, b = self.placements[up], self.placements[down]
         if a.rank_offset is None or b.rank_offset is None or (a.dp, a.tp) != (b.dp, b.tp):
             return False
-        return a.rank_offset + (a.pp - 1) * a.dp * a.tp == b.rank_offset
+        return a.rank_offset + a.position(a.num_stages - 1, self.v_shape) * a.dp * a.tp == b.rank_offset
+
+    def _same_rank(self, module: str, stage: int) -> bool:
+        """Whether stages ``stage`` and ``stage + 1`` of ``module`` sit on the same ranks (the
+        bottom of a V): their hand-off stays in the process."""
+        p = self.placements[module]
+        return p.position(stage, self.v_shape) == p.position(stage + 1, self.v_shape)
 
     def _relay_seconds(self, module: str, producer: str, stage: int, samples: float) -> float:
         """The broadcast inside ``module``'s receiving tp group of ``samples`` samples of the
@@ -392,13 +408,15 @@ class CostModel:
         """Seconds one replica of ``(module, stage)`` spends receiving a microbatch's inputs:
         its own samples of every producer's output (from ``up.dp / dp`` senders on a fan-in)."""
         samples = self.samples(module)
+        if stage > 0 and self._same_rank(module, stage - 1):
+            return 0.0
         if stage > 0:
             return self._message_seconds(module, stage - 1, samples, 1) + \
                 self._relay_seconds(module, module, stage - 1, samples)
         dp = self.placements[module].dp
         return sum(
-            self._message_seconds(up, self.placements[up].pp - 1, samples, max(1, self.placements[up].dp // dp))
-            + self._relay_seconds(module, up, self.placements[up].pp - 1, samples)
+            self._message_seconds(up, self.placements[up].num_stages - 1, samples, max(1, self.placements[up].dp // dp))
+            + self._relay_seconds(module, up, self.placements[up].num_stages - 1, samples)
             for up, downs in self.profile.topology.items() if module in downs and not self._in_process(up, module)
         )
 
@@ -406,7 +424,9 @@ class CostModel:
         """Seconds one replica of ``(module, stage)`` spends receiving the gradients of its output."""
         placement = self.placements[module]
         samples = self.samples(module)
-        if stage < placement.pp - 1:
+        if stage < placement.num_stages - 1 and self._same_rank(module, stage):
+            return 0.0
+        if stage < placement.num_stages - 1:
             return self._message_seconds(module, stage, samples, 1) + self._relay_seconds(module, module, stage, samples)
         return sum(
             self._message_seconds(module, stage, samples, max(1, self.placements[down].dp // placement.dp))
@@ -515,15 +535,16 @@ class CostModel:
             return min(self.m, layout.depth)
         return min(self.m, layout.depth - layout.stage_index(module, stage))
 
-    def peak_memory(self, layout: PipelineLayout, inflight: Mapping[tuple[int, str], float]) -> list[float]:
-        """Peak bytes per rank of ``layout`` given the microbatches each ``(rank, module)`` holds."""
+    def peak_memory(self, layout: PipelineLayout, inflight: Mapping[tuple[int, str, int], float]) -> list[float]:
+        """Peak bytes per rank of ``layout`` given the microbatches each ``(rank, module, chunk)``
+        holds (chunk 0 without virtual stages; the chunks of a rank add up)."""
         peaks = []
         for rank in range(layout.world_size):
             total = 0.0
             transient = 0.0
             for slot in layout.slots(rank):
                 cost = self._stages[(slot.module, slot.stage)]
-                total += cost.static_bytes + inflight.get((rank, slot.module), 0) * cost.activation_bytes
+                total += cost.static_bytes + inflight.get((rank, slot.module, slot.chunk), 0) * cost.activation_bytes
                 transient = max(transient, cost.transient_bytes)
             peaks.append(total + transient)
         return peaks

@@ -7,6 +7,11 @@ one, with that module's dp and tp), the microbatch count and the schedule. ``tp`
 over ``plan_placements(tp_options=...)`` (default: 1 only); every module on a group's ranks
 must allow the group's tp (modules sharing a rank share its tp). Split points balance each module's stages by measured time.
 ``shard`` / ``recompute`` are switched on per module only where a rank would not fit in memory.
+Virtual stages (``virtual_stages = v``) are searched over ``plan_placements(virtual_options=...)``
+(default: 1 only): a group with ``v > 1`` splits each module into ``pp * v`` stages balanced by
+time, stage ``s`` on the group's position ``s % pp`` (V-shaped for ``zbv``, the layout's own
+rule), and its candidates run ``interleaved_1f1b`` (``zbv`` where a split-backward schedule is
+listed); the engine runs such modules without tp and sharding, so the search gives them neither.
 
 Pruning: a rank runs all its microbatches, so a candidate's step takes at least the busiest
 rank's compute (its *busy bound*), plus the forward path before that rank can start and the
@@ -15,21 +20,26 @@ bound (a remaining group gets at most the ranks left), below a threshold that st
 perfect balance ``total work / world_size`` and grows until the k best *simulated* plans are
 below it; candidates are simulated in order of their bound and skipped once the bound exceeds
 the k-th best step. The result is the same as simulating every candidate of the space
-(``exhaustive=True`` does that, for tests).
+(``exhaustive=True`` does that, for tests). With virtual stages the busy bound is unchanged (a
+rank still runs all its chunks' work) and the path bounds drop what holds only under 1F1B's
+in-flight limit.
 
 Scoring: :func:`lightning_mmpp.core.schedule.build_schedule` and
 :func:`lightning_mmpp.core.simulator.simulate` (``mode="eager"``) with the per-stage costs of
 :class:`~lightning_mmpp.plan.costs.CostModel`, on the layout with every dp set to 1 (replicas
 are symmetric, so the timing is the same and the simulation much smaller); then the dp
 gradient sums after each stage's last backward; memory from the microbatches each unit held in
-flight in the simulation.
+flight in the simulation (per chunk with virtual stages: a rank's chunks add their peaks, an
+upper bound of their joint peak).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -39,7 +49,7 @@ from lightning_mmpp.core.balance import balanced_split
 from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plan.calibration import Calibration
+from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, step_overhead_seconds
 from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
@@ -77,18 +87,21 @@ class Plan:
         return max(self.peak_memory_bytes)
 
     def layout(self) -> PipelineLayout:
-        """The :class:`~lightning_mmpp.core.placement.PipelineLayout` of this plan."""
-        return PipelineLayout(self.placements, self.topology)
+        """The :class:`~lightning_mmpp.core.placement.PipelineLayout` of this plan (chunks
+        V-shaped under ``"zbv"``, as the strategy builds it)."""
+        return PipelineLayout(self.placements, self.topology, v_shape=ScheduleName.parse(self.schedule).v_shape)
 
     def describe(self) -> str:
         """A compact one-line form, e.g. ``vision 1x2 @0 | audio 1x1 @2 | llm 2x1x2 @3 [4]``
-        (``pp x dp``, ``x tp`` when ``tp > 1``, ``@`` the first rank, then the split points)."""
+        (``pp x dp``, ``x tp`` when ``tp > 1``, `` v2`` for ``virtual_stages=2``, ``@`` the first
+        rank, then the split points)."""
         parts = []
         for name, p in self.placements.items():
             flags = "".join(f" {f}" for f in ("shard", "recompute") if getattr(p, f))
             split = f" {list(p.split_points)}" if p.split_points else ""
             tp = f"x{p.tp}" if p.tp > 1 else ""
-            parts.append(f"{name} {p.pp}x{p.dp}{tp} @{p.rank_offset}{split}{flags}")
+            v = f" v{p.virtual_stages}" if p.virtual_stages > 1 else ""
+            parts.append(f"{name} {p.pp}x{p.dp}{tp}{v} @{p.rank_offset}{split}{flags}")
         return " | ".join(parts)
 
     def snippet(self) -> str:
@@ -96,7 +109,9 @@ class Plan:
         lines = ["from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy", "",
                  "strategy = MultiModulePipelineStrategy(", "    placements={"]
         for name, p in self.placements.items():
-            args = [f"pp={p.pp}", f"dp={p.dp}", *([f"tp={p.tp}"] if p.tp > 1 else []), f"rank_offset={p.rank_offset}"]
+            args = [f"pp={p.pp}", f"dp={p.dp}", *([f"tp={p.tp}"] if p.tp > 1 else []),
+                    *([f"virtual_stages={p.virtual_stages}"] if p.virtual_stages > 1 else []),
+                    f"rank_offset={p.rank_offset}"]
             if p.split_points:
                 args.append(f"split_points={tuple(p.split_points)!r}")
             args += [f"{f}=True" for f in ("shard", "recompute") if getattr(p, f)]
@@ -108,16 +123,42 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        """A JSON-serialisable summary."""
+        """A JSON-serialisable summary (:meth:`from_dict` reads it back)."""
         return {
-            "placements": {name: {"pp": p.pp, "dp": p.dp, "tp": p.tp, "rank_offset": p.rank_offset,
+            "placements": {name: {"pp": p.pp, "dp": p.dp, "tp": p.tp, "virtual_stages": p.virtual_stages,
+                                  "rank_offset": p.rank_offset,
                                   "split_points": list(p.split_points) if p.split_points else None,
                                   "shard": p.shard, "recompute": p.recompute}
                            for name, p in self.placements.items()},
             "topology": self.topology, "num_microbatches": self.num_microbatches, "schedule": self.schedule,
             "step_time_s": self.step_time_s, "peak_memory_bytes": list(self.peak_memory_bytes),
             "bubble_fraction": self.bubble_fraction, "batch_size": self.batch_size, "world_size": self.world_size,
+            "lower_bound_s": self.lower_bound_s,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """The plan :meth:`to_dict` wrote (extra keys, such as a measured step, are ignored)."""
+        placements = {}
+        for name, p in data["placements"].items():
+            fields = dict(p)
+            if fields.get("split_points") is not None:
+                fields["split_points"] = tuple(fields["split_points"])
+            placements[name] = ModulePlacement(**fields)
+        return cls(placements=placements, topology={m: list(d) for m, d in data["topology"].items()},
+                   num_microbatches=data["num_microbatches"], schedule=ScheduleName.parse(data["schedule"]),
+                   step_time_s=data["step_time_s"], peak_memory_bytes=tuple(data["peak_memory_bytes"]),
+                   bubble_fraction=data["bubble_fraction"], batch_size=data["batch_size"],
+                   lower_bound_s=data.get("lower_bound_s", 0.0))
+
+    def to_json(self, path: Optional[str | os.PathLike] = None) -> str:
+        """The plan as JSON text (:meth:`to_dict`); also written to ``path`` when given."""
+        return write_json(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> "Plan":
+        """Read a plan from a JSON file path, or from JSON text (:meth:`to_json`)."""
+        return cls.from_dict(read_json(source))
 
 
 def format_bytes(n: float) -> str:
@@ -131,7 +172,8 @@ def format_bytes(n: float) -> str:
 
 def plans_table(plans: Sequence[Plan]) -> str:
     """A text table of plans, best first."""
-    rows = [("#", "step ms", "vs best", "bubble", "peak/rank", "m", "schedule", "layout (module pp x dp [x tp] @first rank)")]
+    rows = [("#", "step ms", "vs best", "bubble", "peak/rank", "m", "schedule",
+             "layout (module pp x dp [x tp] [v chunks per rank] @first rank)")]
     best = plans[0].step_time_s if plans else 1.0
     for i, p in enumerate(plans):
         rows.append((str(i + 1), f"{p.step_time_s * 1e3:.1f}", f"{p.step_time_s / best:.2f}x",
@@ -150,6 +192,7 @@ class _Group:
     pp: int
     dp: int
     tp: int = 1
+    v: int = 1  # virtual stages of every module of the group
 
 
 @dataclass(frozen=True)
@@ -157,6 +200,7 @@ class _Structure:
     groups: tuple[_Group, ...]
     beside: tuple[tuple[str, str, int], ...]  # (module, host module, host stage)
     busy: float  # busiest rank's compute per step (seconds), the bound the enumeration uses
+    virtual: bool = False  # some group has virtual stages (its candidates run interleaved_1f1b or zbv)
 
 
 @dataclass
@@ -172,6 +216,8 @@ class _Space:
     memory_limit: Optional[float]
     allow_shard: bool
     tp_options: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per module; absent: (1,)
+    v_options: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per module; absent: (1,)
+    v_shapes: tuple[bool, ...] = (False,)  # chunk orders the schedules of virtual candidates use
     splits: dict[tuple, list[range]] = field(default_factory=dict)
     layer_rates: dict[tuple[str, int], tuple[tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
     layer_work: dict[tuple[str, int], tuple[float, ...]] = field(default_factory=dict)
@@ -181,6 +227,10 @@ class _Space:
     def tps(self, module: str) -> tuple[int, ...]:
         """The tp sizes ``module`` may have."""
         return self.tp_options.get(module, (1,))
+
+    def vs(self, module: str) -> tuple[int, ...]:
+        """The virtual stage counts ``module`` may have."""
+        return self.v_options.get(module, (1,))
 
     def rates(self, module: str, tp: int = 1) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Forward and backward seconds per profiled batch of every layer on one rank, the parts
@@ -263,15 +313,16 @@ class _Space:
         return first, last
 
     def static_floor(self, module: str, pp: int, dp: int, extra: tuple[float, float] = (0.0, 0.0),
-                     tp: int = 1) -> list[float]:
-        """Smallest static bytes per stage of ``module`` at ``pp x dp x tp`` (sharded when possible)."""
+                     tp: int = 1, shardable: bool = True) -> list[float]:
+        """Smallest static bytes per stage of ``module`` at ``pp x dp x tp`` (sharded when
+        possible: ``shardable`` and ``dp > 1``)."""
         layers = self.profile.modules[module].layers
         factor = self.profile.state_bytes_per_param_byte
         out = []
         for r in self.split(module, pp, extra, tp):
             state = sum(layers[i].param_bytes / layers[i].split_by(tp)
                         * (factor if layers[i].trainable and module not in self.no_backward else 1.0) for i in r)
-            if self.allow_shard and dp > 1:
+            if shardable and self.allow_shard and dp > 1:
                 state = state / dp + max(layers[i].param_bytes / layers[i].split_by(tp) for i in r)
             out.append(state)
         return out
@@ -327,12 +378,13 @@ def _group_tps(space: _Space, modules: tuple[str, ...], attached: dict[str, tupl
 
 
 def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, tuple[str, str]],
-                   uniform_pp: Optional[int]) -> list[tuple[int, int, int, float]]:
-    """``(pp, dp, tp, busy seconds per step)`` of every feasible shape of a group."""
+                   uniform_pp: Optional[int]) -> list[tuple[int, int, int, int, float]]:
+    """``(pp, dp, tp, virtual stages, busy seconds per step)`` of every feasible shape of a group."""
     profile = space.profile
     max_pp = min(len(profile.modules[m].layers) for m in modules)
-    options = []
-    for tp in _group_tps(space, modules, attached):
+    options: list[tuple[int, int, int, int, float]] = []
+    plain = all(1 in space.vs(m) for m in modules)  # virtual_options may rule v=1 out
+    for tp in _group_tps(space, modules, attached) if plain else ():
         extra = {m: space.beside_work(m, [(a, where == "first") for a, (h, where) in attached.items() if h == m], tp)
                  for m in modules}
         for pp in range(1, min(max_pp, space.world_size // tp) + 1):
@@ -359,7 +411,63 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
                     if max(static) > space.memory_limit:
                         space.smallest_static = min(space.smallest_static, max(static))
                         continue
-                options.append((pp, dp, tp, max(per_stage) * profile.batch_size / dp))
+                options.append((pp, dp, tp, 1, max(per_stage) * profile.batch_size / dp))
+    return options + _virtual_options(space, modules, attached, uniform_pp)
+
+
+@functools.lru_cache(maxsize=None)
+def _positions(pp: int, v: int, v_shape: bool) -> tuple[int, ...]:
+    """The rank position of each of the ``pp * v`` stages of a module (the layout's own rule)."""
+    placement = ModulePlacement(pp=pp, virtual_stages=v)
+    return tuple(placement.position(stage, v_shape) for stage in range(pp * v))
+
+
+def _per_position(per_stage: Sequence[float], pp: int, v: int, v_shape: bool) -> list[float]:
+    """``per_stage`` (one value per stage of ``pp * v``) summed over the stages of each rank position."""
+    out = [0.0] * pp
+    for position, value in zip(_positions(pp, v, v_shape), per_stage):
+        out[position] += value
+    return out
+
+
+def _virtual_options(space: _Space, modules: tuple[str, ...], attached: dict[str, tuple[str, str]],
+                     uniform_pp: Optional[int]) -> list[tuple[int, int, int, int, float]]:
+    """``(pp, dp, 1, v, busy)`` of the group's shapes with ``v > 1`` virtual stages: every module
+    of the group allows ``v``, ``pp >= 2``, at least one layer per stage (``pp * v`` of each
+    module), tp 1 and no sharding (the engine runs neither with virtual stages), no module
+    beside the group's stages (a search restriction). The busy bound and the static floor are
+    the least over the chunk orders searched (interleaved, V-shaped), so they bound both."""
+    allowed = set.intersection(*(set(space.vs(m)) for m in modules)) - {1}
+    if not allowed or any(host in modules for host, _ in attached.values()):
+        return []
+    if 1 not in _group_tps(space, modules, attached):
+        return []
+    profile = space.profile
+    min_layers = min(len(profile.modules[m].layers) for m in modules)
+    options = []
+    for v in sorted(allowed):
+        for pp in range(2, min(min_layers // v, space.world_size) + 1):
+            if uniform_pp is not None and pp != uniform_pp:
+                continue
+            stages = pp * v
+            per_stage = [0.0] * stages
+            for m in modules:
+                for s, w in enumerate(space.stage_work(m, stages)):
+                    per_stage[s] += w
+            busy = min(max(_per_position(per_stage, pp, v, shape)) for shape in space.v_shapes)
+            for dp in space.dp_options:
+                if pp * dp > space.world_size:
+                    break
+                if space.memory_limit is not None:
+                    static = [0.0] * stages
+                    for m in modules:
+                        for s, b in enumerate(space.static_floor(m, stages, dp, shardable=False)):
+                            static[s] += b
+                    least = min(max(_per_position(static, pp, v, shape)) for shape in space.v_shapes)
+                    if least > space.memory_limit:
+                        space.smallest_static = min(space.smallest_static, least)
+                        continue
+                options.append((pp, dp, 1, v, busy * profile.batch_size / dp))
     return options
 
 
@@ -376,23 +484,25 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
             best = []
             for opts in options:
                 row = [math.inf] * (world + 1)
-                for pp, dp, tp, busy in opts:
+                for pp, dp, tp, _, busy in opts:
                     row[pp * dp * tp] = min(row[pp * dp * tp], busy)
                 for r in range(1, world + 1):
                     row[r] = min(row[r], row[r - 1])
                 best.append(row)
             n = len(groups)
-            chosen: list[tuple[int, int, int, float]] = []
+            chosen: list[tuple[int, int, int, int, float]] = []
 
             def dfs(j: int, left: int, bound: float) -> Iterator[_Structure]:
                 if j == n:
                     if left == 0:
                         beside = tuple((m, h, where) for m, (h, where) in attached.items())
-                        yield _Structure(tuple(_Group(g, pp, dp, tp) for g, (pp, dp, tp, _) in zip(groups, chosen)),
-                                         _resolve_beside(beside, groups, chosen), bound)
+                        shapes = tuple(_Group(g, pp, dp, tp, v) for g, (pp, dp, tp, v, _) in zip(groups, chosen))
+                        yield _Structure(shapes, _resolve_beside(beside, groups, chosen), bound,
+                                         any(g.v > 1 for g in shapes))
                     return
                 remaining = n - j - 1
-                for pp, dp, tp, busy in options[j]:
+                for option in options[j]:
+                    pp, dp, tp, _, busy = option
                     size = pp * dp * tp
                     rest = left - size
                     if rest < remaining or (remaining == 0 and rest != 0):
@@ -402,7 +512,7 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
                         b = max(b, max(best[k][rest - remaining + 1] for k in range(j + 1, n)))
                     if b >= threshold:
                         continue
-                    chosen.append((pp, dp, tp, busy))
+                    chosen.append(option)
                     yield from dfs(j + 1, rest, b)
                     chosen.pop()
 
@@ -410,8 +520,8 @@ def _structures(space: _Space, threshold: float, colocate: bool, uniform: bool) 
 
 
 def _resolve_beside(beside: tuple[tuple[str, str, str], ...], groups: list[tuple[str, ...]],
-                    chosen: list[tuple[int, int, int, float]]) -> tuple[tuple[str, str, int], ...]:
-    pp_of = {m: pp for g, (pp, _, _, _) in zip(groups, chosen) for m in g}
+                    chosen: list[tuple[int, int, int, int, float]]) -> tuple[tuple[str, str, int], ...]:
+    pp_of = {m: option[0] for g, option in zip(groups, chosen) for m in g}
     return tuple((m, host, 0 if where == "first" else pp_of[host] - 1) for m, host, where in beside)
 
 
@@ -428,10 +538,11 @@ def _placements(space: _Space, structure: _Structure, collapse: bool = False,
         for m in group.modules:
             extra = space.beside_work(m, [(a, stage == 0) for a, host, stage in structure.beside if host == m],
                                       group.tp)
-            split = tuple(r.start for r in space.split(m, group.pp, extra, group.tp)[1:]) or None
+            split = tuple(r.start for r in space.split(m, group.pp * group.v, extra, group.tp)[1:]) or None
             shard, recompute = flags.get(m, (False, False))
             by_module[m] = ModulePlacement(pp=group.pp, dp=dp, rank_offset=cursor, split_points=split,
-                                           shard=shard and not collapse, recompute=recompute, tp=tp)
+                                           shard=shard and not collapse, recompute=recompute, tp=tp,
+                                           virtual_stages=group.v)
         cursor += group.pp * dp * tp
     for m, host, stage in structure.beside:
         h = by_module[host]
@@ -477,23 +588,29 @@ class _FillBound:
     stages: tuple[tuple[float, float], ...]  # (all backwards, head + forward + round trip + tail) per step
 
     def at(self, m: int, schedule: ScheduleName) -> float:
-        """The bound for ``m`` microbatches under ``schedule`` (seconds, without the step overhead)."""
-        if schedule is ScheduleName.ZERO_BUBBLE:  # the last compute may be a W nothing waits for
+        """The bound for ``m`` microbatches under ``schedule`` (seconds, without the step overhead).
+        The per-stage term holds for any schedule with fused backwards (interleaved_1f1b too):
+        a stage's first backward waits for a round trip, whatever its in-flight limit."""
+        if schedule.split_backward:  # the last compute may be a W nothing waits for
             return max(busy + head / m for busy, _, head in self.ranks)
         bound = max(busy + path / m for busy, path, _ in self.ranks)
         return max(bound, max((backward + trip / m for backward, trip in self.stages), default=0.0))
 
 
-def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
+def _fill_bound(space: _Space, structure: _Structure, v_shape: bool = False) -> _FillBound:
     """:func:`_path_bound` on the structure's compute alone (no transfers, collectives,
     framework overhead or flags, which only add to every cost; an in-flight limit of ``m``, the
     most it can be), in closed form in ``m``: a stage's compute per microbatch is its compute
     per step over ``m``. Every term of the path bound is a sum, max or min of nonnegative
     costs, so this is at most the cost model's bound for any flags: it rules out candidates
-    whose fill and drain alone exceed the step to beat, before their cost model is built."""
+    whose fill and drain alone exceed the step to beat, before their cost model is built.
+
+    With virtual stages the chain runs over a module's ``pp * v`` stages and each rank sums the
+    stages at its position (``v_shape``: the V-shaped chunk order)."""
     profile = space.profile
     scale = profile.batch_size / profile.profile_batch_size
-    pp_of = {m: g.pp for g in structure.groups for m in g.modules}
+    pp_of = {m: g.pp * g.v for g in structure.groups for m in g.modules}  # stages
+    position = {m: _positions(g.pp, g.v, v_shape) for g in structure.groups for m in g.modules}
     dp_of = {m: g.dp for g in structure.groups for m in g.modules}
     tp_of = _tp_of(structure)
     where: dict[str, tuple[int, int]] = {}  # module -> (group, first stage's position)
@@ -502,7 +619,7 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
             where[m] = (i, 0)
     attached: dict[str, list[tuple[str, bool]]] = {}
     for m, host, stage in structure.beside:
-        pp_of[m], dp_of[m] = 1, dp_of[host]
+        pp_of[m], dp_of[m], position[m] = 1, dp_of[host], (0,)
         where[m] = (where[host][0], stage)
         attached.setdefault(host, []).append((m, stage == 0))
     forward: dict[tuple[str, int], float] = {}
@@ -532,7 +649,7 @@ def _fill_bound(space: _Space, structure: _Structure) -> _FillBound:
     for m in space.order:
         group, first = where[m]
         for s in range(pp_of[m]):
-            by_rank.setdefault((group, first + s), []).append((m, s))
+            by_rank.setdefault((group, first + position[m][s]), []).append((m, s))
     ranks = []
     for keys in by_rank.values():
         busy = sum(forward[k] + backward[k] for k in keys)
@@ -563,25 +680,29 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: ScheduleName 
     maximised over ranks: busy time + the forward path before the rank's first compute + (the
     backward path or the gradient sum) after its last.
 
-    Under 1F1B and GPipe each stage also waits for its first backward: it runs at most
-    ``limit`` forwards (the schedule's in-flight limit; all ``m`` under GPipe) before the
-    gradient of microbatch 0 has made the round trip through every downstream stage, and all
-    ``m`` backwards and the remaining forwards come after, so per stage: fill path + one
-    forward + round trip + the rest of its own work + (drain path or gradient sum)."""
+    Under the schedules with fused backwards each stage also waits for its first backward: it
+    runs at most ``limit`` forwards (1F1B's in-flight limit; all ``m`` under GPipe and
+    interleaved_1f1b, whose limits are not 1F1B's) before the gradient of microbatch 0 has made
+    the round trip through every downstream stage, and all ``m`` backwards and the remaining
+    forwards come after, so per stage: fill path + one forward + round trip + the rest of its
+    own work + (drain path or gradient sum). Stages count a module's ``pp * virtual_stages``
+    chunks; a rank's busy time sums all it holds."""
     topo = layout.topology
+    split = schedule.split_backward
+    stages = {module: p.num_stages for module, p in cost.placements.items()}
     head: dict[tuple[str, int], float] = {}
     tail: dict[tuple[str, int], float] = {}
     for module in topo.order:
-        for s in range(cost.placements[module].pp):
+        for s in range(stages[module]):
             if s > 0:
                 preds = [(module, s - 1)]
             else:
-                preds = [(u, cost.placements[u].pp - 1) for u in topo.upstream(module)]
+                preds = [(u, stages[u] - 1) for u in topo.upstream(module)]
             head[(module, s)] = max((head[p] + cost.forward(*p) for p in preds), default=0.0)
             tail[(module, s)] = max((tail[p] + cost.backward(*p) for p in preds), default=0.0)
     trip: dict[tuple[str, int], float] = {}  # forward + backward of the longest path after the stage
     for module in reversed(topo.order):
-        pp = cost.placements[module].pp
+        pp = stages[module]
         for s in reversed(range(pp)):
             succs = [(module, s + 1)] if s + 1 < pp else [(d, 0) for d in topo.downstream(module)]
             trip[(module, s)] = max((trip[n] + cost.forward(*n) + cost.backward(*n) for n in succs), default=0.0)
@@ -590,21 +711,21 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: ScheduleName 
         slots = layout.slots(rank)
         busy = sum(cost.m * (cost.forward(s.module, s.stage) + cost.backward(s.module, s.stage)) for s in slots)
         # after the rank's last compute (some slot's last backward) come that slot's gradient
-        # sum and, unless the backward is split (zero_bubble: the last compute may be a W that
-        # nothing upstream waits for), the upstream backward path
+        # sum and, unless the backward is split (zero_bubble, zbv: the last compute may be a W
+        # that nothing upstream waits for), the upstream backward path
         after = min(cost.stage(s.module, s.stage).sync_s for s in slots)
-        if schedule is not ScheduleName.ZERO_BUBBLE:
+        if not split:
             after = max(after, min(tail[(s.module, s.stage)] for s in slots))
         bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots) + after)
-        if schedule is ScheduleName.ZERO_BUBBLE:
+        if split:
             continue
         for slot in slots:  # each stage's own chain: its first backward waits for the round trip
             if slot.module in no_backward:
                 continue
             key = (slot.module, slot.stage)
             f, b = cost.forward(*key), cost.backward(*key)
-            limit = cost.m if schedule is ScheduleName.GPIPE else \
-                min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage))
+            limit = min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage)) \
+                if schedule is ScheduleName.ONE_F_ONE_B else cost.m
             own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
             bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
     return bound
@@ -628,13 +749,14 @@ class _Evaluator:
         cost model and its lower bound; ``None`` when nothing fits."""
         space = self.space
         flags: dict[str, tuple[bool, bool]] = {name: (False, False) for name in space.profile.modules}
-        layout = self.collapsed(structure)  # replicas of a stage have equal costs, bounds and memory
+        v_shape = structure.virtual and schedule.v_shape
+        layout = self.collapsed(structure, v_shape)  # replicas of a stage have equal costs, bounds and memory
         while True:
             placements = _placements(space, structure, flags=flags)
-            cost = CostModel(space.profile, placements, m, space.no_backward, memo=self.stage_costs)
+            cost = CostModel(space.profile, placements, m, space.no_backward, memo=self.stage_costs, v_shape=v_shape)
             if space.memory_limit is None:
                 return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
-            inflight = {(r, s.module): cost.inflight_bound(layout, s.module, s.stage, schedule)
+            inflight = {(r, s.module, s.chunk): cost.inflight_bound(layout, s.module, s.stage, schedule)
                         for r in range(layout.world_size) for s in layout.slots(r)}
             peaks = cost.peak_memory(layout, inflight)
             worst = max(range(len(peaks)), key=peaks.__getitem__)
@@ -645,25 +767,28 @@ class _Evaluator:
                 self._note_peak(peaks[worst], placements)
                 return None
 
-    def collapsed(self, structure: _Structure) -> PipelineLayout:
-        """The structure's layout with every dp 1 (one rank per stage), cached."""
-        key = (structure.groups, structure.beside)
+    def collapsed(self, structure: _Structure, v_shape: bool = False) -> PipelineLayout:
+        """The structure's layout with every dp 1 (one rank per stage position), chunks V-shaped
+        with ``v_shape``, cached."""
+        key = (structure.groups, structure.beside, v_shape)
         layout = self.layouts.get(key)
         if layout is None:
-            layout = PipelineLayout(_placements(self.space, structure, collapse=True), self.space.profile.topology)
+            layout = PipelineLayout(_placements(self.space, structure, collapse=True), self.space.profile.topology,
+                                    v_shape=v_shape)
             self.layouts[key] = layout
         return layout
 
     def _upgrade(self, flags: dict, layout: PipelineLayout, cost: CostModel, rank: int) -> bool:
         """Switch on the flag that saves the most bytes on ``rank``; False when none is left.
         Every schedule runs both (the engine shards under zero_bubble too; the cost model
-        charges its ``W`` a second gather)."""
+        charges its ``W`` a second gather); a module with virtual stages is never sharded (the
+        engine refuses it)."""
         best = None
         for slot in layout.slots(rank):
             shard, recompute = flags[slot.module]
             stage = cost.stage(slot.module, slot.stage)
             dp = cost.placements[slot.module].dp
-            if not shard and self.space.allow_shard and dp > 1:
+            if not shard and self.space.allow_shard and dp > 1 and cost.placements[slot.module].virtual_stages == 1:
                 saving = stage.static_bytes * (1 - 1 / dp)
                 if best is None or saving > best[0]:
                     best = (saving, slot.module, (True, recompute))
@@ -678,19 +803,24 @@ class _Evaluator:
 
     def _note_peak(self, peak: float, placements: dict[str, ModulePlacement]) -> None:
         if self.smallest_peak is None or peak < self.smallest_peak[0]:
-            desc = ", ".join(f"{n} {p.pp}x{p.dp}{f'x{p.tp}' if p.tp > 1 else ''}{' shard' if p.shard else ''}{' recompute' if p.recompute else ''}"
+            desc = ", ".join(f"{n} {p.pp}x{p.dp}{f'x{p.tp}' if p.tp > 1 else ''}"
+                             f"{f' v{p.virtual_stages}' if p.virtual_stages > 1 else ''}"
+                             f"{' shard' if p.shard else ''}{' recompute' if p.recompute else ''}"
                              for n, p in placements.items())
             self.smallest_peak = (peak, desc)
 
     def _simulate_timed(self, small: PipelineLayout, m: int, schedule: ScheduleName,
                         cost: CostModel) -> Optional[LockstepTiming]:
-        """zero_bubble: its schedule depends on the costs, so it is built (on the mean phase
-        costs) and simulated; the same quantities as :func:`time_lockstep`."""
+        """zero_bubble, interleaved_1f1b and zbv: their schedules depend on the costs, so they are
+        built (on the mean phase costs of a whole stage: a chunk's times ``virtual_stages``) and
+        simulated; the same quantities as :func:`time_lockstep`, but the microbatches in flight
+        keyed by ``(rank, module, chunk)``."""
         space = self.space
-        stages = [cost.stage(n, s) for n, p in cost.placements.items() for s in range(p.pp)
-                  if n not in space.no_backward]
+        stages = [(cost.stage(n, s), p.virtual_stages) for n, p in cost.placements.items()
+                  for s in range(p.num_stages) if n not in space.no_backward]
         mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
-                zip(*[(c.forward_s, c.input_s, c.weight_s) for c in stages])] if stages else [1.0, 1.0, 1.0]
+                zip(*[(c.forward_s * v, c.input_s * v, c.weight_s * v) for c, v in stages])] \
+            if stages else [1.0, 1.0, 1.0]
         built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
@@ -698,12 +828,12 @@ class _Evaluator:
         except DeadlockError:
             return None
         last_backward: dict[tuple[int, str], float] = {}
-        held: dict[tuple[int, str], int] = {}
-        peak: dict[tuple[int, str], int] = {}
+        held: dict[tuple[int, str, int], int] = {}
+        peak: dict[tuple[int, str, int], int] = {}
         finish = [0.0] * small.world_size
         for rank, start, end, action in sorted(result.computes, key=lambda c: c[1]):
             finish[rank] = max(finish[rank], end)
-            unit = (rank, action.module)
+            unit = (rank, action.module, action.chunk)
             if action.module in space.no_backward:
                 continue
             if action.phase is Phase.FORWARD:
@@ -711,7 +841,7 @@ class _Evaluator:
                 peak[unit] = max(peak.get(unit, 0), held[unit])
             elif action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
                 held[unit] = held.get(unit, 0) - 1
-                last_backward[unit] = max(last_backward.get(unit, 0.0), end)
+                last_backward[unit[:2]] = max(last_backward.get(unit[:2], 0.0), end)
         return LockstepTiming(result.step_time, result.busy, tuple(finish), last_backward, peak)
 
     def simulate(self, structure: _Structure, m: int, schedule: ScheduleName, flags: dict, cost: CostModel,
@@ -719,21 +849,23 @@ class _Evaluator:
         space = self.space
         topology = space.profile.topology
         placements = cost.placements
-        layout = PipelineLayout(placements, topology)
-        small = self.collapsed(structure)
+        layout = PipelineLayout(placements, topology, v_shape=cost.v_shape)
+        small = self.collapsed(structure, cost.v_shape)
+        chunked = schedule not in LOCKSTEP_SCHEDULES  # peaks keyed (rank, module, chunk)
         if schedule in LOCKSTEP_SCHEDULES:
             timing = time_lockstep(small, m, schedule, cost.forward, cost.backward, space.no_backward)
         else:
             timing = self._simulate_timed(small, m, schedule, cost)
             if timing is None:
                 return None
-        # a rank's step ends with its gradient sums, each started after its stage's last backward
-        # and run one after the other (colocated modules' collectives queue on the rank), then
-        # its optimizer step
+        # a rank's step ends with its gradient sums, each started after its module's last
+        # backward there (of all its chunks) and run one after the other (colocated modules'
+        # collectives queue on the rank), then its optimizer step
         finish = list(timing.finish)
         syncs: dict[int, list[tuple[float, float]]] = {}
         for (rank, module), end in timing.last_backward.items():
-            syncs.setdefault(rank, []).append((end, cost.stage(module, small.slot(rank, module).stage).sync_s))
+            seconds = sum(cost.stage(module, s.stage).sync_s for s in small.chunk_slots(rank, module))
+            syncs.setdefault(rank, []).append((end, seconds))
         for rank, queue in syncs.items():
             done = 0.0
             for end, seconds in sorted(queue):
@@ -745,10 +877,12 @@ class _Evaluator:
         step += self.metrics_s
         inflight = {}
         weights = []
+        held: Mapping[tuple, int] = timing.peak_in_flight
         for rank in range(layout.world_size):
             for slot in layout.slots(rank):
-                inflight[(rank, slot.module)] = timing.peak_in_flight.get(
-                    (small.rank_of(slot.module, slot.stage, 0), slot.module), 0)
+                lead = small.rank_of(slot.module, slot.stage, 0)
+                key = (lead, slot.module, slot.chunk) if chunked else (lead, slot.module)
+                inflight[(rank, slot.module, slot.chunk)] = held.get(key, 0)
         for rank in range(small.world_size):
             p = placements[small.slots(rank)[0].module]
             weights.append(p.dp * p.tp)
@@ -792,6 +926,7 @@ def plan_placements(
     tolerance: float = 0.03,
     calibration: Optional[Calibration] = None,
     tp_options: Sequence[int] | Mapping[str, Sequence[int]] = (1,),
+    virtual_options: Sequence[int] | Mapping[str, Sequence[int]] = (1,),
 ) -> list[Plan]:
     """The ``top_k`` fastest placements of ``profile`` on ``world_size`` ranks, best first.
 
@@ -823,6 +958,15 @@ def plan_placements(
             for the named modules only (the others keep tp=1), e.g. ``{"llm": (1, 2)}``. The
             default ``(1,)`` searches no tensor parallelism. Give only sizes the hook supports
             (e.g. dividing the attention heads): the planner cannot check that.
+        virtual_options: the virtual stage counts (``ModulePlacement.virtual_stages``) the
+            search may give a module: a sequence, e.g. ``(1, 2)``, for every module (each gets
+            the counts it has layers for: ``v > 1`` needs ``pp >= 2`` and at least ``pp * v``
+            layers), or ``{module: counts}`` for the named modules only, e.g. ``{"llm": (1, 2)}``.
+            The default ``(1,)`` searches none. A candidate with a module at ``v > 1`` runs
+            ``"interleaved_1f1b"`` in place of the listed ``"1f1b"`` / ``"gpipe"``, and ``"zbv"``
+            in place of ``"zero_bubble"`` (both when both are listed); such a module has tp 1,
+            is never sharded (the engine runs neither with virtual stages) and hosts no
+            ``pp=1`` module beside its stages. Colocated modules share their ``v``.
 
     Raises:
         PipelineConfigError: bad arguments, or no plan fits the memory limit (the message says
@@ -835,6 +979,8 @@ def plan_placements(
         profile = replace(profile, calibration=calibration)
     space = _make_space(profile, world_size, memory_limit_bytes, allow_shard)
     space.tp_options = _tp_options(profile, tp_options)
+    space.v_options = _parse_virtual_options(profile, virtual_options)
+    space.v_shapes = tuple(dict.fromkeys(s.v_shape for s in _virtual_schedules(schedule_names)))
     evaluator = _Evaluator(space, allow_recompute)
     search = _Search(evaluator, top_k, tolerance, exhaustive)
     # the least work per rank of each module over its tp sizes: a lower bound of a perfect balance
@@ -854,33 +1000,72 @@ def plan_placements(
     return search.best[:top_k]
 
 
-def _tp_options(profile: ModelProfile,
-                options: Sequence[int] | Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
-    """``{module: tp sizes}`` from ``plan_placements(tp_options=...)``; :class:`PipelineConfigError`
-    for a bad size, an unknown module, or tp > 1 for a module its profile says cannot split."""
-    def sizes(values: Any, what: str) -> tuple[int, ...]:
+def _module_options(profile: ModelProfile, options: Sequence[int] | Mapping[str, Sequence[int]], arg: str,
+                    what: str) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """``({module: sorted values}, whether given per module)`` from ``plan_placements(arg=...)``:
+    a sequence for every module or ``{module: values}``; :class:`PipelineConfigError` for a value
+    that is not an integer >= 1 (``what`` names them, with an example) or an unknown module."""
+    def values_of(values: Any, where: str) -> tuple[int, ...]:
         if isinstance(values, (int, str)) or not isinstance(values, Iterable):
             values = (values,)
         values = tuple(values)
         if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
-            raise PipelineConfigError(
-                f"tp_options{what}={values!r}: give tensor-parallel sizes, integers >= 1, e.g. (1, 2, 4).")
+            raise PipelineConfigError(f"{arg}{where}={values!r}: give {what}.")
         return tuple(sorted(set(values)))
 
     if isinstance(options, Mapping):
         unknown = [m for m in options if m not in profile.modules]
         if unknown:
-            raise PipelineConfigError(f"tp_options names modules {unknown} that the profile does not have; "
+            raise PipelineConfigError(f"{arg} names modules {unknown} that the profile does not have; "
                                       f"its modules are {list(profile.modules)}.")
-        chosen = {m: sizes(v, f"[{m!r}]") for m, v in options.items()}
-        for m, values in chosen.items():
-            if max(values) > 1 and not profile.modules[m].tp_capable:
-                raise PipelineConfigError(
-                    f"tp_options[{m!r}]={values}: module {m!r} cannot be split (its profile has tp_capable=False: "
-                    "the model has no pipeline_parallelize hook). Add the hook and profile again, or give it (1,).")
-        return chosen
-    values = sizes(options, "")
-    return {m: values if mod.tp_capable else (1,) for m, mod in profile.modules.items()}
+        return {m: values_of(v, f"[{m!r}]") for m, v in options.items()}, True
+    values = values_of(options, "")
+    return {m: values for m in profile.modules}, False
+
+
+def _tp_options(profile: ModelProfile,
+                options: Sequence[int] | Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """``{module: tp sizes}`` from ``plan_placements(tp_options=...)``; :class:`PipelineConfigError`
+    for a bad size, an unknown module, or tp > 1 for a module its profile says cannot split."""
+    chosen, named = _module_options(profile, options, "tp_options",
+                                    "tensor-parallel sizes, integers >= 1, e.g. (1, 2, 4)")
+    if not named:
+        return {m: values if profile.modules[m].tp_capable else (1,) for m, values in chosen.items()}
+    for m, values in chosen.items():
+        if max(values) > 1 and not profile.modules[m].tp_capable:
+            raise PipelineConfigError(
+                f"tp_options[{m!r}]={values}: module {m!r} cannot be split (its profile has tp_capable=False: "
+                "the model has no pipeline_parallelize hook). Add the hook and profile again, or give it (1,).")
+    return chosen
+
+
+def _virtual_schedules(schedules: Sequence[ScheduleName]) -> list[ScheduleName]:
+    """What a candidate with virtual stages runs for the listed ``schedules``: ``"zbv"`` for the
+    split-backward ones (``"zero_bubble"``, ``"zbv"``), ``"interleaved_1f1b"`` for the others
+    (``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``), each once, in the order listed."""
+    return list(dict.fromkeys(ScheduleName.ZBV if s.split_backward else ScheduleName.INTERLEAVED_1F1B
+                              for s in schedules))
+
+
+def _parse_virtual_options(profile: ModelProfile,
+                           options: Sequence[int] | Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """``{module: virtual stage counts}`` from ``plan_placements(virtual_options=...)``;
+    :class:`PipelineConfigError` for a bad count, an unknown module, or a named module with
+    too few layers for two stages of ``v`` chunks. A sequence gives every module the counts it
+    has layers for (``2 * v`` at least)."""
+    chosen, named = _module_options(profile, options, "virtual_options",
+                                    "virtual stage counts, integers >= 1, e.g. (1, 2)")
+    if not named:
+        return {m: tuple(v for v in values if v == 1 or 2 * v <= len(profile.modules[m].layers))
+                for m, values in chosen.items()}
+    for m, values in chosen.items():
+        layers = len(profile.modules[m].layers)
+        if 2 * max(values) > layers:
+            raise PipelineConfigError(
+                f"virtual_options[{m!r}]={values}: virtual_stages={max(values)} needs pp >= 2 and a layer per "
+                f"stage, at least {2 * max(values)} layers, but {m!r} has {layers}. Give it counts up to "
+                f"{max(1, layers // 2)}, or leave it out of virtual_options.")
+    return chosen
 
 
 def _check_plan_args(world_size: int, schedules: Sequence[ScheduleName | str], tolerance: float) -> list[ScheduleName]:
@@ -945,6 +1130,7 @@ class _Search:
         profile = space.profile
         queue: list[_Candidate] = []
         schedules = list(dict.fromkeys(schedules))
+        virtual_schedules = _virtual_schedules(schedules)
         for structure in _structures(space, threshold, colocate, uniform):
             # a structure met below an earlier threshold queued all its candidates then: one
             # look-up per structure (tp multiplies the structures; a key per candidate cost 15% of the search)
@@ -958,11 +1144,11 @@ class _Search:
             lcm_dp = math.lcm(*dp.values())
             path = _one_sample_path(space, dp, _tp_of(structure))
             for m in _microbatch_options(profile.batch_size, lcm_dp, num_microbatches):
-                for schedule in schedules:
+                for schedule in virtual_schedules if structure.virtual else schedules:
                     # microbatch 0 alone crosses the longest path forward and back (whole
-                    # backwards: zero_bubble may defer the weight halves off the path): few
-                    # microbatches are ruled out here, before any cost model is built
-                    fused = schedule is not ScheduleName.ZERO_BUBBLE
+                    # backwards: zero_bubble and zbv may defer the weight halves off the path):
+                    # few microbatches are ruled out here, before any cost model is built
+                    fused = not schedule.split_backward
                     bound = max(structure.busy, path * profile.batch_size / m) if fused else structure.busy
                     queue.append((bound, len(queue), 0, structure, m, schedule, None))
         return queue
@@ -980,7 +1166,8 @@ class _Search:
             if self.hopeless(bound):
                 break
             if level == 0:
-                fill = self.fill_bound(structure).at(m, schedule) + self.evaluator.metrics_s
+                fill = self.fill_bound(structure, structure.virtual and schedule.v_shape).at(m, schedule) \
+                    + self.evaluator.metrics_s
                 heapq.heappush(queue, (max(bound, fill), count, 1, structure, m, schedule, None))
                 count += 1
                 continue
@@ -997,12 +1184,12 @@ class _Search:
                 self.best.append(plan)
                 self.best.sort(key=lambda p: (p.step_time_s, p.max_memory_bytes))
 
-    def fill_bound(self, structure: _Structure) -> _FillBound:
-        """:func:`_fill_bound` of ``structure``, computed once."""
-        key = (structure.groups, structure.beside)
+    def fill_bound(self, structure: _Structure, v_shape: bool = False) -> _FillBound:
+        """:func:`_fill_bound` of ``structure`` (chunks V-shaped with ``v_shape``), computed once."""
+        key = (structure.groups, structure.beside, v_shape)
         bound = self.fill_bounds.get(key)
         if bound is None:
-            bound = self.fill_bounds[key] = _fill_bound(self.space, structure)
+            bound = self.fill_bounds[key] = _fill_bound(self.space, structure, v_shape)
         return bound
 
 
