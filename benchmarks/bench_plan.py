@@ -4,6 +4,8 @@
     python benchmarks/bench_plan.py --validate   # also run plans on sleep stages (5 processes)
     python benchmarks/bench_plan.py --search     # only the 64 ranks x 4 modules search: wall and CPU time
     python benchmarks/bench_plan.py --search --tp 1 2 4   # the same, tp searched too
+    python benchmarks/bench_plan.py --search --virtual 1 2 --repeats 1   # virtual stages searched too
+    python benchmarks/bench_plan.py --virtual-example   # a case where the planner picks virtual stages
     python benchmarks/bench_plan.py --tp-check   # calibrate(4), then a planned tp=2 LM: predicted vs Trainer.fit
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
@@ -313,20 +315,53 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
               f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
 
 
-def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,)) -> None:
+def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,), virtual: tuple[int, ...] = (1,)) -> None:
     """The 64 ranks x 4 modules search (issue 28's <= 10 s): wall and CPU seconds per call (CPU
     time is robust to other processes on the machine), the load, and the top plan; ``tp``: the
-    tp sizes searched (every module of the profile may split)."""
+    tp sizes searched (every module of the profile may split); ``virtual``: the virtual stage
+    counts searched (every module)."""
     profile = vlm_profile(True)
-    print(f"search: 64 ranks x 4 modules, memory limit 40 GiB, top_k=5, tp_options={tp}; "
+    print(f"search: 64 ranks x 4 modules, memory limit 40 GiB, top_k=5, tp_options={tp}, virtual_options={virtual}; "
           f"load {os.getloadavg()[0]:.2f}")
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
-        plans = plan_placements(profile, 64, memory_limit_bytes=40 * GiB, top_k=5, tp_options=tp)
+        plans = plan_placements(profile, 64, memory_limit_bytes=40 * GiB, top_k=5, tp_options=tp,
+                                virtual_options=virtual)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         print(f"  wall {wall:.2f} s  CPU {cpu:.2f} s  top {plans[0].step_time_s * 1e3:.1f} ms "
               f"(5th {plans[-1].step_time_s * 1e3:.1f} ms)  load {os.getloadavg()[0]:.2f}")
     print(f"  top: {plans[0].describe()}, m={plans[0].num_microbatches}")
+
+
+def virtual_profile() -> ModelProfile:
+    """Two 4-layer encoders feeding a 16-layer LM of 16 MiB layers (1 GiB of state), 4 samples
+    per step (times per 4 samples): tests/test_plan_virtual.py's case where interleaving pays."""
+    modules = {"vision": ModuleProfile(layers(4, 0.010, 0.020, 16 * MB, MB)),
+               "audio": ModuleProfile(layers(4, 0.008, 0.016, 16 * MB, MB)),
+               "llm": ModuleProfile(layers(16, 0.010, 0.020, 16 * MB, MB))}
+    return ModelProfile(modules=modules, topology={"vision": ["llm"], "audio": ["llm"], "llm": []},
+                        profile_batch_size=4, batch_size=4, bandwidth_bytes_per_s=20e9, latency_s=1e-5)
+
+
+def virtual_section() -> None:
+    """Where the planner interleaves: 6 ranks, 400 MiB per rank without sharding (the LM needs
+    pp = 4), 4 samples (at most 4 microbatches); the top plan with ``virtual_options=(1, 2)``
+    against the best plan without virtual stages, under 1F1B and zero-bubble schedules."""
+    from lightning_mmpp.plan import plans_table
+
+    profile = virtual_profile()
+    kw = dict(memory_limit_bytes=400 * MB, allow_shard=False, tolerance=0.0)
+    print(f"virtual stages: 2 encoders -> 16-layer LM, 6 ranks, 400 MiB per rank, no sharding; "
+          f"load {os.getloadavg()[0]:.2f}")
+    for schedules in (("1f1b",), ("zero_bubble",)):
+        wall, cpu = time.perf_counter(), time.process_time()
+        plans = plan_placements(profile, 6, top_k=3, virtual_options=(1, 2), schedules=schedules, **kw)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        plain = plan_placements(profile, 6, top_k=1, schedules=schedules, **kw)[0]
+        print(f"schedules={schedules}: search with virtual_options=(1, 2) {cpu:.2f} s CPU")
+        print(plans_table(plans))
+        print(f"  best without virtual stages: {plain.step_time_s * 1e3:.1f} ms ({plain.schedule}, {plain.describe()}, "
+              f"m={plain.num_microbatches}); top / that = {plans[0].step_time_s / plain.step_time_s:.3f}")
 
 
 TP_TOPOLOGY = {"enc_a": ["llm"], "llm": []}
@@ -381,11 +416,19 @@ def main() -> None:
                         help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
+    parser.add_argument("--virtual", type=int, nargs="+", default=[1],
+                        help="--search: the virtual stage counts to search, e.g. --virtual 1 2")
+    parser.add_argument("--repeats", type=int, default=3, help="--search: searches to time")
+    parser.add_argument("--virtual-example", action="store_true",
+                        help="only the case where the planner picks virtual stages: top plan vs the best v=1 plan")
     parser.add_argument("--tp-check", action="store_true",
                         help="only the tp check: a planned tp=2 LM, predicted vs measured through Trainer.fit")
     args = parser.parse_args()
     if args.search:
-        search_section(tp=tuple(args.tp))
+        search_section(args.repeats, tuple(args.tp), tuple(args.virtual))
+        return
+    if args.virtual_example:
+        virtual_section()
         return
     if args.tp_check:
         tp_check_section(steps=args.steps)

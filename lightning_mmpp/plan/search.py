@@ -711,9 +711,25 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: ScheduleName 
         slots = layout.slots(rank)
         busy = sum(cost.m * (cost.forward(s.module, s.stage) + cost.backward(s.module, s.stage)) for s in slots)
         # after the rank's last compute (some slot's last backward) come that slot's gradient
-        # sum and, unless the backward is split (zero_bubble, zbv: the last compute may be a W
-        # that nothing upstream waits for), the upstream backward path
-        after = min(cost.stage(s.module, s.stage).sync_s for s in slots)
+        # sum (of all the module's chunks on the rank: one sum after the last of them) and,
+        # unless the backward is split (zero_bubble, zbv: the last compute may be a W that
+        # nothing upstream waits for), the upstream backward path
+        sums: dict[str, float] = {}
+        if layout.virtual:
+            # each module's work on the rank starts at its earliest chunk's fill path and its
+            # gradient sum follows the last of it (the simulations of timed schedules are
+            # costly: the tighter bound skips more of them)
+            work: dict[str, float] = {}
+            first: dict[str, float] = {}
+            for s in slots:
+                sums[s.module] = sums.get(s.module, 0.0) + cost.stage(s.module, s.stage).sync_s
+                work[s.module] = work.get(s.module, 0.0) + cost.m * (cost.forward(s.module, s.stage)
+                                                                     + cost.backward(s.module, s.stage))
+                first[s.module] = min(first.get(s.module, math.inf), head[(s.module, s.stage)])
+            bound = max(bound, *(first[m] + work[m] + sums[m] for m in sums))
+            after = min(sums.values())
+        else:
+            after = min(cost.stage(s.module, s.stage).sync_s for s in slots)
         if not split:
             after = max(after, min(tail[(s.module, s.stage)] for s in slots))
         bound = max(bound, busy + min(head[(s.module, s.stage)] for s in slots) + after)
@@ -727,7 +743,7 @@ def _path_bound(cost: CostModel, layout: PipelineLayout, schedule: ScheduleName 
             limit = min(cost.m, layout.depth - layout.stage_index(slot.module, slot.stage)) \
                 if schedule is ScheduleName.ONE_F_ONE_B else cost.m
             own = head[key] + f + trip[key] + cost.m * b + (cost.m - limit) * f
-            bound = max(bound, own + max(tail[key], cost.stage(*key).sync_s))
+            bound = max(bound, own + max(tail[key], sums.get(slot.module, cost.stage(*key).sync_s)))
     return bound
 
 
@@ -741,6 +757,7 @@ class _Evaluator:
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
         self.metrics_s = step_overhead_seconds(space.profile, space.world_size)  # every plan uses every rank
         self.smallest_peak: Optional[tuple[float, str]] = None
+        self.schedules: dict = {}  # interleaved_1f1b / zbv builds by collapsed layout, m and schedule
 
     def choose_flags(
         self, structure: _Structure, m: int, schedule: ScheduleName
@@ -811,17 +828,28 @@ class _Evaluator:
 
     def _simulate_timed(self, small: PipelineLayout, m: int, schedule: ScheduleName,
                         cost: CostModel) -> Optional[LockstepTiming]:
-        """zero_bubble, interleaved_1f1b and zbv: their schedules depend on the costs, so they are
-        built (on the mean phase costs of a whole stage: a chunk's times ``virtual_stages``) and
-        simulated; the same quantities as :func:`time_lockstep`, but the microbatches in flight
-        keyed by ``(rank, module, chunk)``."""
+        """zero_bubble, interleaved_1f1b and zbv, built and simulated; the same quantities as
+        :func:`time_lockstep`, but the microbatches in flight keyed by ``(rank, module, chunk)``.
+
+        zero_bubble's order is built on the candidate's mean phase costs (a chunk's times its
+        ``virtual_stages``: a whole stage's). interleaved_1f1b and zbv are built as the engine
+        builds them (:func:`build_schedule` with its default phase costs), so the prediction is
+        of the action lists that run; they depend on the collapsed layout and ``m`` alone, so
+        candidates that differ in dp, flags or costs share one build."""
         space = self.space
-        stages = [(cost.stage(n, s), p.virtual_stages) for n, p in cost.placements.items()
-                  for s in range(p.num_stages) if n not in space.no_backward]
-        mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
-                zip(*[(c.forward_s * v, c.input_s * v, c.weight_s * v) for c, v in stages])] \
-            if stages else [1.0, 1.0, 1.0]
-        built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
+        if schedule is ScheduleName.ZERO_BUBBLE:
+            stages = [(cost.stage(n, s), p.virtual_stages) for n, p in cost.placements.items()
+                      for s in range(p.num_stages) if n not in space.no_backward]
+            mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
+                    zip(*[(c.forward_s * v, c.input_s * v, c.weight_s * v) for c, v in stages])] \
+                if stages else [1.0, 1.0, 1.0]
+            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
+        else:
+            key = (tuple(small.placements.items()), small.v_shape, m, schedule)
+            built = self.schedules.get(key)
+            if built is None:
+                built = self.schedules[key] = build_schedule(small, m, schedule,
+                                                             no_backward_modules=space.no_backward)
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
