@@ -216,3 +216,33 @@ def test_cli_virtual(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["plans"] == plans
     assert cli_main([*args, "--virtual", "0"]) == 2
     assert "integers >= 1" in capsys.readouterr().err
+
+
+def model_profile() -> ModelProfile:
+    """A hand-written profile of the test suite's ``MultiModalModel`` on two encoders (3 layers
+    each: encoder, projection, tanh) and an LM of 4 blocks and a head, 8 samples per step."""
+    return ModelProfile(
+        modules={"enc_a": ModuleProfile(layers(3, 0.002, 0.004)), "enc_b": ModuleProfile(layers(3, 0.002, 0.004)),
+                 "llm": ModuleProfile(layers(5, 0.010, 0.020))},
+        topology={"enc_a": ["llm"], "enc_b": ["llm"], "llm": []},
+        profile_batch_size=8, batch_size=8, bandwidth_bytes_per_s=20e9, latency_s=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedules", [("1f1b",), ("zero_bubble",)])
+def test_a_planned_virtual_layout_trains_as_one_process(schedules):
+    """The planner's v=2 plan, handed to the strategy as it is (placements, microbatches,
+    schedule), trains the test model to the single-process result."""
+    from tests.dist import require_ranks, run_distributed
+    from tests.test_equivalence import _check, _pipelined, _reference
+
+    top = plan_placements(model_profile(), 4, num_microbatches=4, top_k=1, schedules=schedules,
+                          virtual_options={"llm": (2,)})[0]
+    assert top.placements["llm"].virtual_stages == 2 and top.schedule in ("interleaved_1f1b", "zbv"), top.describe()
+    require_ranks(top.world_size)
+    topology = top.topology
+    reference = _reference(topology, top.batch_size, "adam", 0.05)
+    per_rank = run_distributed(_pipelined, top.world_size, topology, top.placements, top.num_microbatches,
+                               top.batch_size, "adam", 0.05, (top.schedule,), timeout=360, init_pg=False)
+    _check(per_rank, reference, (top.schedule,))
