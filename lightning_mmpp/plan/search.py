@@ -757,7 +757,6 @@ class _Evaluator:
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
         self.metrics_s = step_overhead_seconds(space.profile, space.world_size)  # every plan uses every rank
         self.smallest_peak: Optional[tuple[float, str]] = None
-        self.schedules: dict = {}  # interleaved_1f1b / zbv builds by collapsed layout, m and schedule
 
     def choose_flags(
         self, structure: _Structure, m: int, schedule: ScheduleName
@@ -834,8 +833,8 @@ class _Evaluator:
         zero_bubble's order is built on the candidate's mean phase costs (a chunk's times its
         ``virtual_stages``: a whole stage's). interleaved_1f1b and zbv are built as the engine
         builds them (:func:`build_schedule` with its default phase costs), so the prediction is
-        of the action lists that run; they depend on the collapsed layout and ``m`` alone, so
-        candidates that differ in dp, flags or costs share one build."""
+        of the action lists that run (not cached: candidates rarely share a collapsed layout and
+        ``m``, and a search holds thousands of them)."""
         space = self.space
         if schedule is ScheduleName.ZERO_BUBBLE:
             stages = [(cost.stage(n, s), p.virtual_stages) for n, p in cost.placements.items()
@@ -845,11 +844,7 @@ class _Evaluator:
                 if stages else [1.0, 1.0, 1.0]
             built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
         else:
-            key = (tuple(small.placements.items()), small.v_shape, m, schedule)
-            built = self.schedules.get(key)
-            if built is None:
-                built = self.schedules[key] = build_schedule(small, m, schedule,
-                                                             no_backward_modules=space.no_backward)
+            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward)
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
