@@ -25,13 +25,14 @@ def _replicas_built_apart(rank: int, world: int) -> dict:
                {id(q) for q in engine.parameters()}}
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     batch = next(iter(make_loader(TOPOLOGY, 8, 8)))
-    out = engine.step(batch)
+    out = engine.step(batch, agreement=[float(rank == 3), 2.0])  # summed in the metric all-reduce
     optimizer.step()
     evaluated = engine.step(batch, "val")
     predicted = engine.step(batch, StepKind.PREDICT)
     final = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n in initial}
     engine.close()
     return {"initial": initial, "final": final, "loss": float(out.loss), "val": float(evaluated.loss),
+            "agreement": (out.agreement, evaluated.agreement),
             "predicted": None if predicted.predictions is None else tuple(predicted.predictions.shape)}
 
 
@@ -48,6 +49,7 @@ def test_dp_replicas_start_equal_and_every_step_kind_runs():
                 assert torch.equal(per_rank[rank]["final"][name], per_rank[first]["final"][name]), (rank, name)
     assert len({r["loss"] for r in per_rank}) == 1 and len({r["val"] for r in per_rank}) == 1
     assert {r["predicted"] for r in per_rank} == {(8, 3, 11)}  # the sink output of the whole batch, everywhere
+    assert [r["agreement"] for r in per_rank] == [((1.0, 12.0), None)] * 6  # summed over the world; none passed
 
 
 def test_engine_errors_name_the_fix():

@@ -151,7 +151,8 @@ def test_sigterm_ends_every_rank_when_a_rank_is_stuck_mid_step(tmp_path):
 def test_sigterm_to_a_stuck_rank_ends_it_and_its_peers_name_it(tmp_path):
     """Rank 1 hangs at the start of step 2 and only rank 1 gets SIGTERM. It cannot reach a step
     boundary, so its watcher publishes why and ends it (status 143); ranks 0 and 2, waiting for
-    it in the boundary agreement, fail at once and name rank 1 as the root cause."""
+    it (in a transfer of step 2: the boundary's agreement came with step 1's metric all-reduce),
+    fail at once and name rank 1 as the root cause."""
     results = run_distributed(_hung_rank, 3, tmp_path, [1], timeout=60, init_pg=False,
                               allow_failures=True, failure_grace=15)
     assert isinstance(results[1], RankFailure) and "code 143" in results[1], results[1]
@@ -172,3 +173,16 @@ def test_handler_records_only_and_restores():
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == previous
+
+
+def test_the_agreement_a_step_carried_is_used_at_the_next_boundary_without_a_collective():
+    handler = PreemptionHandler([signal.SIGUSR2])
+    assert handler.contribution(3, 1) == [0.0, 0.0, 0.0]
+    handler.record(signal.SIGUSR2)
+    assert handler.contribution(3, 1) == [0.0, float(signal.SIGUSR2), 0.0]
+    handler.carried([0.0, float(signal.SIGUSR2), float(signal.SIGTERM)])  # what the metric all-reduce summed
+    assert handler.agree(3, 1, torch.device("cpu")) == {1: signal.SIGUSR2, 2: signal.SIGTERM}  # no process group used
+    handler.carried([0.0, 0.0, 0.0])
+    assert handler.agree(3, 1, torch.device("cpu")) == {}
+    with pytest.raises((RuntimeError, ValueError), match="process group"):  # nothing carried: it must meet the others
+        handler.agree(3, 1, torch.device("cpu"))

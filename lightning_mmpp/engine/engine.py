@@ -101,7 +101,9 @@ class StepOutput:
     the sinks return ``{"loss_sum", "num_tokens"}``), divided by the global token count
     ``num_tokens``. ``loss`` is the step's loss from whichever holds it. For a predict step,
     ``predictions`` holds the sink output of the whole batch (a dict by sink with several
-    sinks) and the metrics are empty.
+    sinks) and the metrics are empty. ``agreement`` is the element-wise sum over the world of
+    the ``agreement`` values every rank passed to :meth:`PipelineEngine.step` (``None`` when none
+    were passed, and for a predict step, which reduces no metrics).
     """
 
     kind: StepKind
@@ -110,6 +112,7 @@ class StepOutput:
     token_metrics: dict[str, Tensor] = field(default_factory=dict)
     num_tokens: Optional[int] = None
     predictions: Any = None
+    agreement: Optional[tuple[float, ...]] = None
     # this rank's runtime view of the step: peak stash, per-sink microbatch losses
     local: Optional[StepResult] = None
 
@@ -451,7 +454,8 @@ class PipelineEngine:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def step(self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None) -> StepOutput:
+    def step(self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None,
+             agreement: Optional[Sequence[float]] = None) -> StepOutput:
         """Run one pipelined step on the global ``batch`` (the same on every rank) and return its
         reduced loss and metrics (or, for ``"predict"``, the sink outputs), identical on every rank.
 
@@ -459,6 +463,11 @@ class PipelineEngine:
         module's dp group and divided as the loss asks, ready for the optimizer. It does not
         zero them first (zero them before the step, as with a plain ``loss.backward()``).
         ``step_index`` names the step in failure reports (default: the engine's own count).
+        ``agreement``: values every rank contributes (the same length everywhere), summed over
+        the world in the step's metric all-reduce (float32) and returned as
+        :attr:`StepOutput.agreement`: a caller agrees on something per step (the Lightning
+        strategy: whether any rank was sent a preemption signal) without a collective of its own.
+        Not for predict steps, which reduce no metrics.
         """
         kind = StepKind.parse(kind)
         result = self.run_pipeline(batch, kind, step_index=step_index)
@@ -472,7 +481,10 @@ class PipelineEngine:
                 if self.tie_groups:  # copies of a parameter tied across ranks get the summed gradient
                     sum_tied_gradients(self.layout, self.partition.tied, self.tie_groups, self.rank)
         with self.tracer.span("metrics_allreduce", "metrics"), self._collectives():
-            output.metrics, output.token_metrics, output.num_tokens = self._reduce_metrics(result, kind)
+            output.metrics, output.token_metrics, output.num_tokens, sums = self._reduce_metrics(
+                result, kind, agreement or ())
+        if agreement is not None:
+            output.agreement = tuple(sums)
         if kind is StepKind.TRAIN:
             raise_if_loss_not_finite(self.failures, output.loss, result.sink_losses)
             if output.num_tokens is not None:  # per-token loss: every gradient holds a sum over tokens
@@ -530,9 +542,9 @@ class PipelineEngine:
             raise failure from err
 
     def _reduce_metrics(
-        self, result: StepResult, kind: StepKind
-    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int]]:
-        """``(metrics, per-token metrics, global token count)`` reduced over the world.
+        self, result: StepResult, kind: StepKind, extra: Sequence[float]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int], list[float]]:
+        """``(metrics, per-token metrics, global token count, extra summed)`` reduced over the world.
 
         Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
         divided by the global token count of the step (``None`` when no sink used that form).
@@ -540,14 +552,14 @@ class PipelineEngine:
         local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
         if self.layout.tp_index(self.rank) > 0:  # the tp lead counts its group's (identical) values
             local = {}
-        reduced = self.metrics.reduce(local, kind)
+        reduced, extra_sums = self.metrics.reduce(local, kind, extra)
         metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
         sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
         if not sums:
-            return metrics, {}, None
+            return metrics, {}, None, extra_sums
         count = sums.pop(TOKEN_COUNT).clamp(min=1.0)
         token_metrics = {"loss" if n == TOKEN_LOSS else n[: -len("_sum")]: v / count for n, v in sums.items()}
-        return metrics, token_metrics, int(count.item())
+        return metrics, token_metrics, int(count.item()), extra_sums
 
     def _divide_gradients(self, count: int) -> None:
         for p in self.parameters():

@@ -10,11 +10,16 @@ laid out by a list of names cached per kind of step (:class:`~lightning_mmpp.cor
 vector carries one extra element, non-zero when any rank holds a name outside the cache; then
 every rank gathers the names (an object gather, names only), rebuilds the cache and reduces
 again. After the first step of each kind that happens only if a new metric appears.
+
+The same all-reduce carries a caller's ``extra`` values (summed element-wise over the world):
+the Lightning strategy agrees on preemption that way, with no collective of its own at the step
+boundary (where the ranks all arrive together and a collective is slowest; see
+:mod:`lightning_mmpp.lightning.preemption`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,18 +44,22 @@ class MetricReducer:
         self.device = device
         self._names: dict[StepKind, list[str]] = {}
 
-    def reduce(self, local: Mapping[str, Tensor], kind: StepKind) -> dict[str, Tensor]:
-        """The step's metrics, identical on every rank; every rank must call this."""
+    def reduce(self, local: Mapping[str, Tensor], kind: StepKind,
+               extra: Sequence[float] = ()) -> tuple[dict[str, Tensor], list[float]]:
+        """The step's metrics, identical on every rank, and ``extra`` summed over the world (every
+        rank must call this, with ``extra`` of the same length everywhere)."""
         names = self._names.get(kind, [])
         while True:
             unknown = float(any(n not in names for n in local))
             zero = torch.zeros((), device=self.device, dtype=torch.float32)  # whatever the default dtype
             values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
-            vector = torch.stack(values + [torch.tensor(unknown, device=self.device, dtype=torch.float32)])
+            tail = torch.tensor([*extra, unknown], device=self.device, dtype=torch.float32)
+            vector = torch.cat([torch.stack(values), tail]) if values else tail
             if self.world_size > 1:
                 dist.all_reduce(vector, op=dist.ReduceOp.SUM)
-            if vector[-1].item() == 0:
-                return {n: vector[i] for i, n in enumerate(names)}
+            *sums, unknown_anywhere = vector[len(names):].tolist()  # one host read
+            if unknown_anywhere == 0:
+                return {n: vector[i] for i, n in enumerate(names)}, sums
             gathered: list[Any] = [sorted(local)]
             if self.world_size > 1:
                 gathered = [None] * self.world_size

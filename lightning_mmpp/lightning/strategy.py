@@ -302,9 +302,16 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
     # --- the pipelined steps -----------------------------------------------------------------
 
     def _step(self, batch: Any, kind: StepKind) -> StepOutput:
+        """One engine step; a training, validation or test step also carries the ranks'
+        preemption signals in its metric all-reduce, for the next step boundary to act on."""
         assert self._engine is not None
         trainer = self.lightning_module.trainer
-        return self._engine.step(batch, kind, step_index=trainer.global_step)
+        handler = self._preemption if kind is not StepKind.PREDICT else None
+        agreement = handler.contribution(self.world_size, self.global_rank) if handler is not None else None
+        output = self._engine.step(batch, kind, step_index=trainer.global_step, agreement=agreement)
+        if handler is not None and output.agreement is not None:
+            handler.carried(output.agreement)
+        return output
 
     def _log(self, kind: StepKind, output: StepOutput) -> None:
         lm = self.lightning_module
