@@ -390,10 +390,7 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
         for pp in range(1, min(max_pp, space.world_size // tp) + 1):
             if uniform_pp is not None and pp != uniform_pp:
                 continue
-            per_stage = [0.0] * pp
-            for m in modules:
-                for s, w in enumerate(space.stage_work(m, pp, extra[m], tp)):
-                    per_stage[s] += w
+            per_stage = _stage_sums((space.stage_work(m, pp, extra[m], tp) for m in modules), pp)
             for m, (host, where) in attached.items():
                 if host in modules:
                     per_stage[0 if where == "first" else pp - 1] += space.module_work(m, tp)
@@ -401,10 +398,7 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
                 if pp * dp * tp > space.world_size:
                     break
                 if space.memory_limit is not None:
-                    static = [0.0] * pp
-                    for m in modules:
-                        for st, b in enumerate(space.static_floor(m, pp, dp, extra[m], tp)):
-                            static[st] += b
+                    static = _stage_sums((space.static_floor(m, pp, dp, extra[m], tp) for m in modules), pp)
                     for m, (host, where) in attached.items():
                         if host in modules:
                             static[0 if where == "first" else pp - 1] += space.static_floor(m, 1, dp, tp=tp)[0]
@@ -413,6 +407,15 @@ def _group_options(space: _Space, modules: tuple[str, ...], attached: dict[str, 
                         continue
                 options.append((pp, dp, tp, 1, max(per_stage) * profile.batch_size / dp))
     return options + _virtual_options(space, modules, attached, uniform_pp)
+
+
+def _stage_sums(rows: Iterable[Sequence[float]], stages: int) -> list[float]:
+    """The element-wise sum of ``rows`` (one value per stage each: a group's modules)."""
+    out = [0.0] * stages
+    for row in rows:
+        for stage, value in enumerate(row):
+            out[stage] += value
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -450,19 +453,13 @@ def _virtual_options(space: _Space, modules: tuple[str, ...], attached: dict[str
             if uniform_pp is not None and pp != uniform_pp:
                 continue
             stages = pp * v
-            per_stage = [0.0] * stages
-            for m in modules:
-                for s, w in enumerate(space.stage_work(m, stages)):
-                    per_stage[s] += w
+            per_stage = _stage_sums((space.stage_work(m, stages) for m in modules), stages)
             busy = min(max(_per_position(per_stage, pp, v, shape)) for shape in space.v_shapes)
             for dp in space.dp_options:
                 if pp * dp > space.world_size:
                     break
                 if space.memory_limit is not None:
-                    static = [0.0] * stages
-                    for m in modules:
-                        for s, b in enumerate(space.static_floor(m, stages, dp, shardable=False)):
-                            static[s] += b
+                    static = _stage_sums((space.static_floor(m, stages, dp, shardable=False) for m in modules), stages)
                     least = min(max(_per_position(static, pp, v, shape)) for shape in space.v_shapes)
                     if least > space.memory_limit:
                         space.smallest_static = min(space.smallest_static, least)
