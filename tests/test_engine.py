@@ -25,6 +25,12 @@ def _replicas_built_apart(rank: int, world: int) -> dict:
                {id(q) for q in engine.parameters()}}
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     batch = next(iter(make_loader(TOPOLOGY, 8, 8)))
+    order: list[str] = []  # the metric all-reduce is in flight while the dp sums are waited for
+    for owner, name in ((engine.metrics, "start"), (engine.gradients, "synchronize"), (engine.metrics, "finish")):
+        def record(*args, _inner=getattr(owner, name), _name=name, **kwargs):
+            order.append(_name)
+            return _inner(*args, **kwargs)
+        setattr(owner, name, record)
     out = engine.step(batch, agreement=[float(rank == 3), 2.0])  # summed in the metric all-reduce
     optimizer.step()
     evaluated = engine.step(batch, "val")
@@ -32,7 +38,7 @@ def _replicas_built_apart(rank: int, world: int) -> dict:
     final = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n in initial}
     engine.close()
     return {"initial": initial, "final": final, "loss": float(out.loss), "val": float(evaluated.loss),
-            "agreement": (out.agreement, evaluated.agreement),
+            "agreement": (out.agreement, evaluated.agreement), "order": order,
             "predicted": None if predicted.predictions is None else tuple(predicted.predictions.shape)}
 
 
@@ -50,6 +56,8 @@ def test_dp_replicas_start_equal_and_every_step_kind_runs():
     assert len({r["loss"] for r in per_rank}) == 1 and len({r["val"] for r in per_rank}) == 1
     assert {r["predicted"] for r in per_rank} == {(8, 3, 11)}  # the sink output of the whole batch, everywhere
     assert [r["agreement"] for r in per_rank] == [((1.0, 12.0), None)] * 6  # summed over the world; none passed
+    # train step: metrics launched, dp sums waited for, metrics read; then val and predict (no dp sums)
+    assert all(r["order"][:3] == ["start", "synchronize", "finish"] for r in per_rank)
 
 
 def test_engine_errors_name_the_fix():

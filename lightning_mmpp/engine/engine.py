@@ -45,7 +45,7 @@ from lightning_mmpp.core.schedule import build_schedule, check_schedule_args
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
 from lightning_mmpp.engine.data_parallel import StageGradients
 from lightning_mmpp.engine.failures import FailureBoard, drop_transfer_references, raise_if_loss_not_finite
-from lightning_mmpp.engine.metrics import MetricReducer
+from lightning_mmpp.engine.metrics import MetricReducer, PendingMetrics
 from lightning_mmpp.engine.microbatch import BatchSplitter, batch_size_of
 from lightning_mmpp.engine.predict import SinkOutputGatherer
 from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS, PipelineRuntime, StepResult
@@ -475,14 +475,17 @@ class PipelineEngine:
         if kind is StepKind.PREDICT:
             output.predictions = self.predictions.gather(result.sink_outputs)
             return output
+        # the metric all-reduce (default group) is launched first and waited for last: it runs
+        # beside the dp gradient sums (their own groups) instead of after them
+        with self._collectives():
+            pending = self.metrics.start(self._local_metrics(result), kind, agreement or ())
         if kind is StepKind.TRAIN:
             with self.tracer.span("dp_allreduce", "dp"), self._collectives():
                 self.gradients.synchronize()
                 if self.tie_groups:  # copies of a parameter tied across ranks get the summed gradient
                     sum_tied_gradients(self.layout, self.partition.tied, self.tie_groups, self.rank)
         with self.tracer.span("metrics_allreduce", "metrics"), self._collectives():
-            output.metrics, output.token_metrics, output.num_tokens, sums = self._reduce_metrics(
-                result, kind, agreement or ())
+            output.metrics, output.token_metrics, output.num_tokens, sums = self._finish_metrics(pending)
         if agreement is not None:
             output.agreement = tuple(sums)
         if kind is StepKind.TRAIN:
@@ -541,18 +544,21 @@ class PipelineEngine:
             self.abort(failure)
             raise failure from err
 
-    def _reduce_metrics(
-        self, result: StepResult, kind: StepKind, extra: Sequence[float]
+    def _local_metrics(self, result: StepResult) -> dict[str, Tensor]:
+        """This rank's shares of the step's metrics and per-token sums, as the reducer sums them."""
+        if self.layout.tp_index(self.rank) > 0:  # the tp lead counts its group's (identical) values
+            return {}
+        return {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
+
+    def _finish_metrics(
+        self, pending: PendingMetrics
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], Optional[int], list[float]]:
         """``(metrics, per-token metrics, global token count, extra summed)`` reduced over the world.
 
         Per-token sums (``loss_sum``, ``num_tokens``, ``<name>_sum``) become ``loss`` and ``<name>``
         divided by the global token count of the step (``None`` when no sink used that form).
         """
-        local = {**result.metric_sums, **{_TOKEN_PREFIX + k: v for k, v in result.token_sums.items()}}
-        if self.layout.tp_index(self.rank) > 0:  # the tp lead counts its group's (identical) values
-            local = {}
-        reduced, extra_sums = self.metrics.reduce(local, kind, extra)
+        reduced, extra_sums = self.metrics.finish(pending)
         metrics = {n: v for n, v in reduced.items() if not n.startswith(_TOKEN_PREFIX)}
         sums = {n[len(_TOKEN_PREFIX):]: v for n, v in reduced.items() if n.startswith(_TOKEN_PREFIX)}
         if not sums:

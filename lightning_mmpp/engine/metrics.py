@@ -20,7 +20,8 @@ boundary (where the ranks all arrive together and a collective is slowest; see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from lightning_mmpp.core.kinds import StepKind
 
-__all__ = ["MetricReducer"]
+__all__ = ["MetricReducer", "PendingMetrics"]
 
 
 class MetricReducer:
@@ -48,21 +49,46 @@ class MetricReducer:
                extra: Sequence[float] = ()) -> tuple[dict[str, Tensor], list[float]]:
         """The step's metrics, identical on every rank, and ``extra`` summed over the world (every
         rank must call this, with ``extra`` of the same length everywhere)."""
+        return self.finish(self.start(local, kind, extra))
+
+    def start(self, local: Mapping[str, Tensor], kind: StepKind, extra: Sequence[float] = ()) -> "PendingMetrics":
+        """Launch the step's all-reduce and return at once; :meth:`finish` waits for it. The
+        engine starts it before waiting for the dp gradient sums, which run on other process
+        groups: the two collectives' wake-ups overlap instead of queueing at the step's end."""
         names = self._names.get(kind, [])
+        unknown = float(any(n not in names for n in local))
+        zero = torch.zeros((), device=self.device, dtype=torch.float32)  # whatever the default dtype
+        values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
+        tail = torch.tensor([*extra, unknown], device=self.device, dtype=torch.float32)
+        vector = torch.cat([torch.stack(values), tail]) if values else tail
+        work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True) if self.world_size > 1 else None
+        return PendingMetrics(local, kind, tuple(extra), names, vector, work)
+
+    def finish(self, pending: "PendingMetrics") -> tuple[dict[str, Tensor], list[float]]:
+        """Wait for :meth:`start`'s all-reduce and read it (one host read); when a rank held a
+        metric name outside the cache, gather the names and reduce again."""
         while True:
-            unknown = float(any(n not in names for n in local))
-            zero = torch.zeros((), device=self.device, dtype=torch.float32)  # whatever the default dtype
-            values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
-            tail = torch.tensor([*extra, unknown], device=self.device, dtype=torch.float32)
-            vector = torch.cat([torch.stack(values), tail]) if values else tail
-            if self.world_size > 1:
-                dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+            if pending.work is not None:
+                pending.work.wait()
+            names, vector = pending.names, pending.vector
             *sums, unknown_anywhere = vector[len(names):].tolist()  # one host read
             if unknown_anywhere == 0:
                 return {n: vector[i] for i, n in enumerate(names)}, sums
-            gathered: list[Any] = [sorted(local)]
+            gathered: list[Any] = [sorted(pending.local)]
             if self.world_size > 1:
                 gathered = [None] * self.world_size
-                dist.all_gather_object(gathered, sorted(local))
-            names = sorted({n for part in gathered for n in part})
-            self._names[kind] = names
+                dist.all_gather_object(gathered, sorted(pending.local))
+            self._names[pending.kind] = sorted({n for part in gathered for n in part})
+            pending = self.start(pending.local, pending.kind, pending.extra)
+
+
+@dataclass
+class PendingMetrics:
+    """A step's metric all-reduce in flight (:meth:`MetricReducer.start`)."""
+
+    local: Mapping[str, Tensor]
+    kind: StepKind
+    extra: tuple[float, ...]
+    names: list[str]
+    vector: Tensor
+    work: Optional[Any]
