@@ -3,7 +3,8 @@
 Only sink ranks compute metrics (``pipeline_loss`` runs there), and each holds its share of
 every metric already divided by the number of microbatches and sink replicas (see
 :class:`lightning_mmpp.engine.runtime.StepResult`); summing the shares over the world gives the step's
-value. :class:`MetricReducer` does that sum with one all-reduce per step.
+value. :class:`MetricReducer` does that sum with one all-reduce per step (:meth:`MetricReducer.start`,
+then :meth:`MetricReducer.finish`).
 
 The name protocol: the other ranks do not know the metric names, so the all-reduced vector is
 laid out by a list of names cached per kind of step (:class:`~lightning_mmpp.core.kinds.StepKind`). The
@@ -45,14 +46,10 @@ class MetricReducer:
         self.device = device
         self._names: dict[StepKind, list[str]] = {}
 
-    def reduce(self, local: Mapping[str, Tensor], kind: StepKind,
-               extra: Sequence[float] = ()) -> tuple[dict[str, Tensor], list[float]]:
-        """The step's metrics, identical on every rank, and ``extra`` summed over the world (every
-        rank must call this, with ``extra`` of the same length everywhere)."""
-        return self.finish(self.start(local, kind, extra))
-
     def start(self, local: Mapping[str, Tensor], kind: StepKind, extra: Sequence[float] = ()) -> "PendingMetrics":
-        """Launch the step's all-reduce and return at once; :meth:`finish` waits for it. The
+        """Launch the step's all-reduce of ``local`` and ``extra`` (every rank calls this, with
+        ``extra`` of the same length everywhere) and return at once; :meth:`finish` waits for it
+        and returns the metrics, identical on every rank, and ``extra`` summed over the world. The
         engine starts it before waiting for the dp gradient sums, which run on other process
         groups: the two collectives' wake-ups overlap instead of queueing at the step's end."""
         names = self._names.get(kind, [])
