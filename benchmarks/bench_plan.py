@@ -272,8 +272,10 @@ ACCURACY_MODELS = {
 }
 
 
-def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float]) -> None:
-    """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit."""
+def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float],
+                     launches: int = 3) -> None:
+    """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit;
+    the calibration and the measurement each take the median over ``launches`` launches."""
     import functools
     import subprocess
 
@@ -285,8 +287,8 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     start = time.perf_counter()
-    cal = calibrate(world)
-    print(f"\naccuracy: calibrate({world}) took {time.perf_counter() - start:.1f} s; {load}")
+    cal = calibrate(world, launches=launches)
+    print(f"\naccuracy: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; {load}")
     print(cal.describe())
     batch = torch.randn(batch_size, width)
     runs, rows = [], []
@@ -302,9 +304,10 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
             runs.append((make, batch, plan))
             label = name if limit is None else f"{name} + 4 KiB/layer, memory limit {limit / 1024:.0f} KiB"
             rows.append((label, kind, plan))
-    measured = measure_runs(runs, steps)
+    measured = measure_runs(runs, steps, launches=launches)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"\n{world} ranks, global batch {batch_size}, median of {steps} steps through Trainer.fit; {load}")
+    print(f"\n{world} ranks, global batch {batch_size}, median of {steps} steps x {launches} launches through "
+          f"Trainer.fit; {load}")
     print("| model | plan | predicted ms | measured ms | measured/predicted | layout |")
     print("|---|---|---|---|---|---|")
     for (label, kind, plan), seconds in zip(rows, measured):
@@ -415,6 +418,9 @@ def main() -> None:
     parser.add_argument("--accuracy-steps", type=int, default=15,
                         help="--accuracy: timed steps per plan (median); a pure-dp step spreads +-7%% on 2 cores, "
                              "so a 5-step median moves by up to 5%%")
+    parser.add_argument("--accuracy-launches", type=int, default=3,
+                        help="--accuracy: launches the calibration and each plan's steps are pooled over; one launch "
+                             "can run a few percent off throughout on a shared CPU")
     parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],
                         help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
@@ -437,7 +443,7 @@ def main() -> None:
         tp_check_section(steps=args.steps)
         return
     if args.accuracy:
-        accuracy_section(args.accuracy_world, 32, 16, args.accuracy_steps, args.memory_limit)
+        accuracy_section(args.accuracy_world, 32, 16, args.accuracy_steps, args.memory_limit, args.accuracy_launches)
         return
     planner_section()
     if args.validate:

@@ -95,3 +95,35 @@ def test_static_shapes_hold_per_kind_of_step():
     require_ranks(3)
     per_rank = run_distributed(_static_train_eval_train, 3, timeout=100)
     assert len(set(per_rank)) == 1 and per_rank[0][0] == per_rank[0][1] == per_rank[0][2], per_rank
+
+
+def test_a_gradient_sum_starts_before_the_next_compute_where_no_exchange_follows():
+    """Three colocated modules on one rank: the encoder whose last backward is followed by the
+    other encoder's backward (no exchange in between) starts its sum before that backward, so
+    the sum runs beside it instead of after the pipeline."""
+    topology = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
+    layout = PipelineLayout({name: P(rank_offset=0) for name in topology}, topology)
+    engine = PipelineEngine(MultiModalModel(topology), layout, num_microbatches=2)
+    events: list[tuple[str, str]] = []
+    start_sum, compute = engine.gradients.after_last_backward, engine.runtime._compute
+
+    def record_sum(module: str) -> None:
+        events.append(("sum", module))
+        start_sum(module)
+
+    def record_compute(step, prepared) -> None:
+        compute(step, prepared)
+        events.append((prepared.action.phase.name, prepared.action.module))
+
+    engine.gradients.after_last_backward = record_sum
+    engine.runtime._compute = record_compute
+    engine.step(next(iter(make_loader(topology, 4, 4))))
+    engine.close()
+    assert sorted(module for kind, module in events if kind == "sum") == sorted(topology)
+    last_backward = {module: i for i, (kind, module) in enumerate(events) if kind == "BACKWARD"}
+    for module, index in last_backward.items():
+        later = events[index + 1:]
+        computes_before_sum = [e for e in later[: later.index(("sum", module))] if e[0] != "sum"]
+        assert computes_before_sum == [], (module, events)
+    first_encoder = min(("enc_a", "enc_b"), key=last_backward.__getitem__)
+    assert last_backward[first_encoder] < max(last_backward.values())  # a compute did follow it

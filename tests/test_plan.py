@@ -362,18 +362,20 @@ def test_fit_calibration_recovers_known_constants(layer):
     """Synthetic samples made from known constants are fitted back to them; the framework runs'
     layers cost what the profile measured for one (``layer``: their wait plus their own call),
     or, in samples without that measurement, their known wait."""
-    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, fit_calibration
+    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, _chain_seconds, fit_calibration
 
-    world, action, message, step = 4, 0.7e-3, 1.5e-3, 9e-3
+    world, action, message, step, pipeline_step = 4, 0.7e-3, 1.5e-3, 9e-3, 4e-3
     lat, bw = 1e-4, 2e9
     work = FORWARD_S + BACKWARD_S + (sum(layer) if layer else 0.0)
+    f, b = (FORWARD_S + layer[0], BACKWARD_S + layer[1]) if layer else (FORWARD_S, BACKWARD_S)
+    known = _calibration(action_s=action, message_s=message)
     samples = {
         "p2p": [(n, lat + n / bw) for n in (256, 65536, 2**20)],
         "allreduce": [(n, 6 * 2e-4 + 1.5 * n / bw) for n in (256, 2**20)],
         "fsdp": [(n, 3e-3 + 0.75 * n / bw, 5e-3 + 0.75 * n / bw) for n in (4096, 2**20)],
         "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
         "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + 2 * action)) for m in (2, 32)],
-                      "chain": [(m, step + (m + world - 1) * (work + 2 * (action + message))) for m in (4, 16)]},
+                      "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known)) for m in (4, 16)]},
     }
     if layer:  # new samples: also the smallest FSDP2 layer over pairs of ranks (one ring step)
         samples["layer"] = [FORWARD_S + layer[0], BACKWARD_S + layer[1]]
@@ -398,7 +400,34 @@ def test_fit_calibration_recovers_known_constants(layer):
     assert cal.gather_seconds(2**20, 4, 1) == pytest.approx(3e-3 + 0.75 * 2**20 / bw, rel=0.01)
     assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
     assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
-    assert cal.step_s == pytest.approx(step, rel=1e-3)
+    assert cal.step_s == pytest.approx(step, rel=1e-3) and cal.pipeline_step_s == pytest.approx(pipeline_step)
+    # the chain's critical path: m + world - 1 forward-backward pairs, less the messages of its ends
+    assert 7 * (work + 2 * action) < _chain_seconds(world, 4, f, b, known) < 7 * (work + 2 * (action + message))
+
+
+def test_a_pipelined_plan_pays_the_pipelined_step_cost_and_pure_dp_the_lockstep_one():
+    from lightning_mmpp.plan.costs import in_lockstep
+
+    profile = ModelProfile(  # small parameters: pure dp and pipelined plans both rank high
+        modules={"enc": ModuleProfile(layers(2, 0.010, 0.020, 4096, 4096)),
+                 "lm": ModuleProfile(layers(4, 0.010, 0.020, 4096, 4096))},
+        topology={"enc": ["lm"], "lm": []}, profile_batch_size=16, batch_size=32,
+        bandwidth_bytes_per_s=20e9, latency_s=1e-5)
+    same, dearer = _calibration(pipeline_step_s=5e-3), _calibration(pipeline_step_s=0.5)
+    assert _calibration().step_seconds(False) == 5e-3  # older calibrations: one per-step cost
+    plans = {name: {(p.describe(), p.num_microbatches): p for p in plan_placements(profile, 4, top_k=30, calibration=cal)}
+             for name, cal in (("same", same), ("dearer", dearer))}
+    common = plans["same"].keys() & plans["dearer"].keys()
+    kinds = set()
+    for key in common:
+        a, b = plans["same"][key], plans["dearer"][key]
+        lockstep = in_lockstep(a.placements, 4)
+        kinds.add(lockstep)
+        assert b.step_time_s == pytest.approx(a.step_time_s + (0.0 if lockstep else 0.5 - 5e-3)), key
+    assert kinds == {True, False}  # both kinds of plan were compared
+    assert in_lockstep({"a": ModulePlacement(dp=4, rank_offset=0), "b": ModulePlacement(dp=2, tp=2, rank_offset=0)}, 4)
+    assert not in_lockstep({"a": ModulePlacement(dp=2), "b": ModulePlacement(dp=2)}, 4)
+    assert not in_lockstep({"a": ModulePlacement(pp=4)}, 4)
 
 
 def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer():
@@ -441,7 +470,7 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     """calibrate() on 2 real processes, then the CLI plans a model with it and validates the top plan."""
     from lightning_mmpp.plan import calibrate
 
-    cal = calibrate(2, steps=2)
+    cal = calibrate(2, steps=2, launches=1)
     assert cal.world_size == 2 and cal.action_s > 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
     assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer"}
 
@@ -463,3 +492,24 @@ def test_cli_reads_a_calibration_and_validate_needs_a_model(tmp_path, capsys):
     assert "--calibrate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["--profile", str(path), "--world-size", "8", "--validate", "1"])
+
+
+def test_calibration_launches_merge_by_median_and_the_dp_run_sums_a_real_gradient():
+    from lightning_mmpp.plan import calibrate
+    from lightning_mmpp.plan.calibration import median_samples
+    from lightning_mmpp.plan.measure import DP_LAYERS, _width
+
+    launches = [{"p2p": [(256, 1.0), (1024, 4.0)], "framework": {"dp": [(2, 0.03), (32, 0.4)]}, "layer": [0.002, 0.004]},
+                {"p2p": [(256, 3.0), (1024, 2.0)], "framework": {"dp": [(2, 0.05), (32, 0.5)]}, "layer": [0.001, 0.006]},
+                {"p2p": [(256, 2.0), (1024, 9.0)], "framework": {"dp": [(2, 0.01), (32, 0.3)]}, "layer": [0.003, 0.005]}]
+    merged = median_samples(launches)
+    assert merged == {"p2p": [(256, 2.0), (1024, 4.0)], "framework": {"dp": [(2, 0.03), (32, 0.4)]},
+                      "layer": [0.002, 0.005]}
+    assert median_samples(launches[:2])["layer"] == [pytest.approx(0.0015), pytest.approx(0.005)]
+    with pytest.raises(ValueError, match="different sample counts"):
+        median_samples([{"p2p": [(1, 1.0)]}, {"p2p": []}])
+    # a gradient of fewer floats than ranks leaves ring chunks empty and times no real sum
+    for world in (2, 4, 64, 200):
+        assert DP_LAYERS * _width(world) >= world
+    with pytest.raises(PipelineConfigError, match="launches"):
+        calibrate(2, launches=0)

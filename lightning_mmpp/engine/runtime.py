@@ -402,15 +402,19 @@ class PipelineRuntime:
         step = _StepState(
             schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, program.split
         )
-        finished: list[str] = []  # stages whose gradients are complete, told after the next exchange
+        # stages whose gradients are complete, told after the exchange that sends their input
+        # gradients upstream (other ranks wait for those first) or, where a compute comes next,
+        # before that compute (the sum then runs beside it instead of after the pipeline)
+        finished: list[str] = []
         for action, prepared in zip(actions, program.steps):
             try:
-                if isinstance(prepared, _PreparedExchange):
+                exchange = isinstance(prepared, _PreparedExchange)
+                if exchange:
                     self._exchange(step, prepared)
-                    for module in finished:  # the input gradients are on their way upstream first
-                        self.gradient_sync.after_last_backward(module)
-                    finished = []
-                elif prepared.gradient:
+                self._start_sums(finished)
+                if exchange:
+                    continue
+                if prepared.gradient:
                     self.gradient_sync.before_backward(prepared.action.module, prepared.last)
                     self._compute(step, prepared)
                     if prepared.last:
@@ -422,8 +426,7 @@ class PipelineRuntime:
             except Exception as err:  # this rank's own failure: the root cause its peers will name
                 self.failures.publish_exception(err, prepared.first_microbatch)
                 raise
-        for module in finished:
-            self.gradient_sync.after_last_backward(module)
+        self._start_sums(finished)
         try:
             self.comm.finish_step()
         except ExchangeMismatchError as err:  # the messages themselves were wrong: the root cause
@@ -435,6 +438,12 @@ class PipelineRuntime:
         assert not step.posted, f"receives posted and never consumed: {step.posted}"
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
+
+    def _start_sums(self, finished: list[str]) -> None:
+        """Start the gradient sums of the ``finished`` modules (and empty the list)."""
+        for module in finished:
+            self.gradient_sync.after_last_backward(module)
+        finished.clear()
 
     def _prepared(self, schedule: Schedule) -> "_Program":
         """This rank's actions of ``schedule`` lowered once (see :class:`_Program`), reused by

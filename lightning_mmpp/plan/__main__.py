@@ -148,6 +148,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--validate", type=int, default=0, metavar="K",
                         help="train the top K plans a few steps through Trainer.fit here; print measured vs predicted")
     parser.add_argument("--validate-steps", type=int, default=5)
+    parser.add_argument("--launches", type=int, default=None, metavar="N",
+                        help="separate process launches that --calibrate (default 3) and --validate (default 1) "
+                             "take the median over: on a shared CPU one launch can run a few percent off throughout")
     args = parser.parse_args(argv)
     try:
         calibration = _calibration(args)
@@ -204,7 +207,7 @@ def _calibration(args: argparse.Namespace) -> Optional[Calibration]:
         from lightning_mmpp.plan.measure import calibrate
 
         ranks = args.calibrate_ranks or min(args.world_size, 4)
-        calibration = calibrate(ranks, args.device)
+        calibration = calibrate(ranks, args.device, launches=args.launches or 3)
         if args.calibration:
             calibration.to_json(args.calibration)
         return calibration
@@ -229,7 +232,7 @@ def _validate(args: argparse.Namespace, plans: list[Any]) -> list[float]:
     from lightning_mmpp.plan.validate import measure_plans
 
     cls, batch, _ = load_target(args.target, plans[0].batch_size)
-    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device)
+    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device, launches=args.launches or 1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ the profiled layer times:
   or a bridge), plus its bytes over ``p2p_bandwidth``: the communicator's packing, posting and
   waiting, with the link's latency;
 * ``step_s`` per training step: the Trainer's loop, ``zero_grad``, the optimizer's fixed cost,
-  the closing all-reduce of the loss and metrics;
+  the closing all-reduce of the loss and metrics, as a layout whose ranks all run every module
+  (pure dp) pays it, every rank at once: fitted from the pure-dp framework run.
+  ``pipeline_step_s`` is the same for a pipelined layout, whose ranks end their steps one after
+  another, each while the others still drain: fitted from the chain run (on a CPU with fewer
+  cores than ranks the two differ by a few milliseconds, either way from one calibration to the
+  next);
 * a dp gradient all-reduce as a ring with ``allreduce_call_s`` per call, ``allreduce_latency_s``
   per ring step and ``allreduce_bandwidth``; FSDP2's all-gather (per layer ``gather_layer_s`` + ``gather_step_s``
   per ring step + bytes, once per layer for every forward and every backward: unshard +
@@ -35,7 +40,7 @@ from typing import Any, Optional
 
 from lightning_mmpp.errors import PipelineConfigError
 
-__all__ = ["CALIBRATION_VERSION", "Calibration", "fit_line", "read_json", "write_json"]
+__all__ = ["CALIBRATION_VERSION", "Calibration", "fit_line", "median_samples", "read_json", "write_json"]
 
 CALIBRATION_VERSION = 1
 
@@ -52,6 +57,27 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     var = sum(dx * dx for dx, _ in rest)
     slope = sum(dx * dy for dx, dy in rest) / var if var > 0 else 0.0
     return max(0.0, y0), max(0.0, slope)
+
+
+def median_samples(launches: Sequence[Any]) -> Any:
+    """The element-wise median of the raw samples of several calibration launches (the same
+    structure in each: dicts, lists and tuples of numbers; sizes are equal, so they stay as
+    they are). One launch of processes on a shared CPU can run a few percent slower or faster
+    than the next throughout (the same pure-dp plan: 124-130 ms over six launches on a 2-core
+    VM), which no number of steps inside it averages out; the median over launches does."""
+    first = launches[0]
+    if isinstance(first, Mapping):
+        return {key: median_samples([run[key] for run in launches]) for key in first}
+    if isinstance(first, (list, tuple)):
+        if any(len(run) != len(first) for run in launches):
+            raise ValueError("calibration launches measured different sample counts")
+        merged = [median_samples([run[i] for run in launches]) for i in range(len(first))]
+        return type(first)(merged) if isinstance(first, tuple) else merged
+    values = sorted(launches)
+    middle = len(values) // 2
+    if len(values) % 2:
+        return values[middle]
+    return (values[middle - 1] + values[middle]) / 2
 
 
 def write_json(data: Mapping[str, Any], path: Optional[str | os.PathLike] = None) -> str:
@@ -102,12 +128,20 @@ class Calibration:
     gather_step_s: float = 0.0
     scatter_step_s: float = 0.0
     allreduce_call_s: float = 0.0
+    pipeline_step_s: Optional[float] = None  # None (older calibrations): step_s
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise PipelineConfigError(f"a calibration needs world_size >= 1, got {self.world_size}.")
 
     # --- costs the cost model charges --------------------------------------------------------
+
+    def step_seconds(self, lockstep: bool) -> float:
+        """The per-step cost of a layout whose ranks all run every module (``lockstep``) or of a
+        pipelined one (see the module docstring)."""
+        if lockstep or self.pipeline_step_s is None:
+            return self.step_s
+        return self.pipeline_step_s
 
     def message_seconds(self, nbytes: float, messages: int = 1) -> float:
         """``messages`` received messages carrying ``nbytes`` bytes in all."""
@@ -181,7 +215,7 @@ class Calibration:
         return "\n".join([
             f"calibration: {self.world_size} ranks on {self.device}",
             f"  per compute action {self.action_s * 1e3:.3f} ms, per received message {self.message_s * 1e3:.3f} ms, "
-            f"per step {self.step_s * 1e3:.2f} ms",
+            f"per step {self.step_s * 1e3:.2f} ms (pipelined: {self.step_seconds(False) * 1e3:.2f} ms)",
             f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
             f"  all-reduce: {self.allreduce_call_s * 1e3:.3f} ms per call + {self.allreduce_latency_s * 1e3:.3f} ms "
             f"per ring step, {bw(self.allreduce_bandwidth)}",

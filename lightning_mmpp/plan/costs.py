@@ -59,7 +59,7 @@ from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 
 __all__ = ["CostModel", "LayerProfile", "ModelProfile", "ModuleProfile", "StageCost", "allreduce_seconds",
-           "broadcast_seconds", "metrics_seconds", "step_overhead_seconds", "tp_allreduce_seconds"]
+           "broadcast_seconds", "in_lockstep", "metrics_seconds", "step_overhead_seconds", "tp_allreduce_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -284,13 +284,20 @@ def metrics_seconds(profile: "ModelProfile", world_size: int) -> float:
     return allreduce_seconds(METRICS_BYTES, world_size, profile.bandwidth_bytes_per_s, profile.latency_s)
 
 
-def step_overhead_seconds(profile: "ModelProfile", world_size: int) -> float:
+def step_overhead_seconds(profile: "ModelProfile", world_size: int, lockstep: bool = True) -> float:
     """What a step costs beyond its stages and gradient sums: the calibrated per-step cost
-    (loop, optimizer's fixed cost, metrics all-reduce) when the profile has a calibration, the
+    (loop, optimizer's fixed cost, metrics all-reduce) when the profile has a calibration, of a
+    layout whose ranks run in ``lockstep`` (see :func:`in_lockstep`) or of a pipelined one; the
     metrics all-reduce alone otherwise."""
     if profile.calibration is not None:
-        return profile.calibration.step_s
+        return profile.calibration.step_seconds(lockstep)
     return metrics_seconds(profile, world_size)
+
+
+def in_lockstep(placements: Mapping[str, ModulePlacement], world_size: int) -> bool:
+    """Whether every rank runs the same work at the same time: every module one stage over all
+    ``world_size`` ranks (pure dp, tp within it), so the ranks end their steps together."""
+    return all(p.num_stages == 1 and p.dp * p.tp == world_size for p in placements.values())
 
 
 @dataclass(frozen=True)

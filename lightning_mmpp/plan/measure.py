@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mmpp.core.placement import ModulePlacement
-from lightning_mmpp.plan.calibration import Calibration, fit_line
+from lightning_mmpp.plan.calibration import Calibration, fit_line, median_samples
 
 __all__ = ["calibrate"]
 
@@ -53,7 +53,16 @@ CHAIN_MICROBATCHES_PER_STAGE = (1, 8)  # a chain of pp stages runs pp and 8 pp m
 FRAMEWORK_ROUNDS = 3
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
-FEATURES = 16  # width of the framework runs' activations: small, so their transfers are latency only
+FEATURES = 32  # width of the framework runs' activations (small: their transfers are latency only)
+
+
+def _width(world: int) -> int:
+    """Width of the framework runs' activations and of each layer's parameter: at least
+    ``FEATURES``, and wide enough that the dp run's gradient sum has a float per rank. A sum of
+    fewer floats than ranks (one scalar per layer) leaves ring chunks empty: it took 2.4 ms against
+    6-7 ms for any real gradient (4 ranks, 2-core VM), and the per-step cost fitted around it came
+    out ~4 ms short on every plan with a dp sum."""
+    return max(FEATURES, -(-world // DP_LAYERS))
 
 
 class _Wait(torch.autograd.Function):
@@ -73,12 +82,12 @@ class _Wait(torch.autograd.Function):
 
 
 class _Scale(nn.Module):
-    """A layer of known cost: ``x * scale`` (one parameter, so the backward runs) then a wait of
-    ``FORWARD_S`` / ``BACKWARD_S``."""
+    """A layer of known cost: ``x * scale`` (a parameter per feature, so the backward runs and
+    the dp sum moves a real gradient) then a wait of ``FORWARD_S`` / ``BACKWARD_S``."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(()))
+        self.scale = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Wait.apply(x * self.scale, FORWARD_S, BACKWARD_S)
@@ -89,9 +98,9 @@ class _FrameworkModel(L.LightningModule):
 
     pipeline_topology = {"net": []}
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, width: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(*[_Scale() for _ in range(layers)])
+        self.net = nn.Sequential(*[_Scale(width) for _ in range(layers)])
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
         return batch
@@ -217,21 +226,21 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
         for name, (placement, layers, counts) in runs.items():
             for m in counts:
                 torch.manual_seed(0)
-                batch = torch.randn(m * placement.dp * 2, FEATURES)
+                batch = torch.randn(m * placement.dp * 2, _width(world))
+                model = _FrameworkModel(layers, _width(world))
                 times.setdefault((name, m), []).extend(timed_fit(
-                    _FrameworkModel(layers), {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch,
-                    steps, device))
+                    model, {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch, steps, device))
     return {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
 
 
-def _layer(device: str) -> list[float]:
+def _layer(device: str, width: int) -> list[float]:
     """``[forward, backward]`` seconds of one framework-run layer on one microbatch of theirs (2
     rows), measured by :func:`~lightning_mmpp.plan.profile_model` as a plan's layers are: its
     wait plus its call (Python, autograd, the sleep's overshoot). The framework fits subtract
     this, so the framework's constants hold what a profile does not already count."""
     from lightning_mmpp.plan.profile import profile_model
 
-    layer = profile_model(_FrameworkModel(1), torch.randn(2, FEATURES), device=_device(device, 0),
+    layer = profile_model(_FrameworkModel(1, width), torch.randn(2, width), device=_device(device, 0),
                           repeats=5).modules["net"].layers[0]
     return [layer.forward_s, layer.backward_s]
 
@@ -239,7 +248,7 @@ def _layer(device: str) -> list[float]:
 def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
     dev = _device(device, rank)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
-    samples: dict[str, Any] = {"layer": _layer(device)}
+    samples: dict[str, Any] = {"layer": _layer(device, _width(world))}
     if world > 1:
         samples["p2p"] = _p2p(rank, dev)
         samples["allreduce"] = _allreduce(dev)
@@ -295,18 +304,43 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
     # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn
     (m1, t1), (m2, t2) = samples["framework"]["dp"]
     cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - DP_LAYERS * work) / 2)
-    # the step's tiny gradient all-reduce is charged by the cost model itself
-    cal.step_s = max(0.0, t1 - m1 * (DP_LAYERS * work + 2 * cal.action_s) - cal.allreduce_seconds(8, world_size))
+    # the step's gradient all-reduce (fp32, a float per feature and layer) is charged by the cost model itself
+    gradient_bytes = 4 * DP_LAYERS * _width(world_size)
+    cal.step_s = max(0.0, t1 - m1 * (DP_LAYERS * work + 2 * cal.action_s)
+                     - cal.allreduce_seconds(gradient_bytes, world_size))
     if "chain" in samples["framework"]:
         # 1F1B on a chain of equal one-layer stages: (m + pp - 1) forward + backward pairs on the
         # critical path; each action there but the first forward and the last backward receives a message
         (m1, t1), (m2, t2) = samples["framework"]["chain"]
         per_action = ((t2 - t1) / (m2 - m1) - work) / 2
         cal.message_s = max(0.0, per_action - cal.action_s)
+        # what the chain's step costs beyond its actions: the per-step cost of a pipelined layout
+        layer = samples.get("layer", (FORWARD_S, BACKWARD_S))
+        cal.pipeline_step_s = max(0.0, t1 - _chain_seconds(world_size, m1, layer[0], layer[1], cal))
     return cal
 
 
-def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: float = 600.0) -> Calibration:
+def _chain_seconds(world: int, m: int, forward: float, backward: float, cal: Calibration) -> float:
+    """The framework run's chain (1F1B over ``world`` one-layer stages, ``m`` microbatches) as
+    the cost model times it from ``cal``'s per-action and per-message costs, without a per-step
+    cost (its messages are a few hundred bytes: their bandwidth term is left out)."""
+    from lightning_mmpp.core.kinds import ScheduleName
+    from lightning_mmpp.core.placement import PipelineLayout
+    from lightning_mmpp.plan.lockstep import time_lockstep
+
+    layout = PipelineLayout({"net": ModulePlacement(pp=world, dp=1)}, {"net": []})
+
+    def forward_s(module: str, stage: int) -> float:
+        return forward + cal.action_s + (cal.message_s if stage > 0 else 0.0)
+
+    def backward_s(module: str, stage: int) -> float:
+        return backward + cal.action_s + (cal.message_s if stage < world - 1 else 0.0)
+
+    return time_lockstep(layout, m, ScheduleName.ONE_F_ONE_B, forward_s, backward_s).step_time
+
+
+def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: float = 600.0,
+              launches: int = 3) -> Calibration:
     """Measure this machine's framework, link and collective costs on ``world_size`` local processes.
 
     Args:
@@ -314,7 +348,11 @@ def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: flo
             for other world sizes reuse the fitted constants.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
         steps: timed training steps per framework run (after two warm-up steps).
-        timeout: seconds for the whole launch.
+        timeout: seconds for each launch.
+        launches: separate launches of ``world_size`` processes, each measuring everything; the
+            constants are fitted to the median of their samples
+            (:func:`~lightning_mmpp.plan.calibration.median_samples`: a launch on a shared CPU
+            can run a few percent off throughout).
 
     Returns:
         A :class:`~lightning_mmpp.plan.calibration.Calibration`; pass it to
@@ -331,5 +369,7 @@ def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: flo
             f"calibrate(world_size={world_size}, device={device!r}) needs one GPU per rank; "
             f"{torch.cuda.device_count()} visible. Use a smaller world_size."
         )
-    samples = run_local(_worker, world_size, device, steps, device=device, timeout=timeout)[0]
-    return fit_calibration(world_size, device, samples)
+    if not isinstance(launches, int) or launches < 1:
+        raise PipelineConfigError(f"calibrate(launches={launches!r}): give the number of launches, >= 1.")
+    runs = [run_local(_worker, world_size, device, steps, device=device, timeout=timeout)[0] for _ in range(launches)]
+    return fit_calibration(world_size, device, median_samples(runs))

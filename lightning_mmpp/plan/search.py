@@ -50,7 +50,7 @@ from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
-from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, step_overhead_seconds
+from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, in_lockstep, step_overhead_seconds
 from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 from lightning_mmpp.plan.lockstep import LOCKSTEP_SCHEDULES, LockstepTiming, time_lockstep
@@ -752,7 +752,10 @@ class _Evaluator:
         self.allow_recompute = allow_recompute
         self.layouts: dict = {}
         self.stage_costs: dict = {}  # CostModel's memo, shared by every candidate
-        self.metrics_s = step_overhead_seconds(space.profile, space.world_size)  # every plan uses every rank
+        # every plan uses every rank; the bounds charge the smaller of the lockstep and the
+        # pipelined per-step cost, a simulated plan its own
+        self.metrics_s = min(step_overhead_seconds(space.profile, space.world_size, lockstep)
+                             for lockstep in (True, False))
         self.smallest_peak: Optional[tuple[float, str]] = None
 
     def choose_flags(
@@ -894,7 +897,7 @@ class _Evaluator:
         step = max(timing.step_time, *(
             finish[r] + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
             for r in range(small.world_size)))
-        step += self.metrics_s
+        step += step_overhead_seconds(space.profile, space.world_size, in_lockstep(placements, space.world_size))
         inflight = {}
         weights = []
         held: Mapping[tuple, int] = timing.peak_in_flight

@@ -69,20 +69,20 @@ def dist_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def _measure_worker(rank: int, world_size: int, runs: list[tuple], steps: int, device: str) -> list[float]:
-    medians = []
-    for make_model, batch, placements, topology, m, schedule in runs:
-        times = timed_fit(make_model(), placements, topology, m, schedule, batch, steps, device)
-        medians.append(statistics.median(times))
-    return medians
+def _measure_worker(rank: int, world_size: int, runs: list[tuple], steps: int, device: str) -> list[list[float]]:
+    return [timed_fit(make_model(), placements, topology, m, schedule, batch, steps, device)
+            for make_model, batch, placements, topology, m, schedule in runs]
 
 
 def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
-                 timeout: float = 900.0) -> list[float]:
+                 timeout: float = 900.0, launches: int = 1) -> list[float]:
     """The median measured step (seconds, slowest rank) of each ``(make_model, batch, plan)``,
-    all run one after the other in one launch of ``plan.world_size`` processes (equal for all):
-    ``make_model()`` builds a fresh LightningModule, trained on ``batch`` (one global batch of
-    ``plan.batch_size`` samples) at every step."""
+    all run one after the other in each of ``launches`` launches of ``plan.world_size``
+    processes (equal for all); the median pools the steps of every launch (a launch on a shared
+    CPU can run a few percent off throughout, see
+    :func:`~lightning_mmpp.plan.calibration.median_samples`). ``make_model()`` builds a fresh
+    LightningModule, trained on ``batch`` (one global batch of ``plan.batch_size`` samples) at
+    every step; ``timeout`` is per launch."""
     from lightning_mmpp.errors import PipelineConfigError
     from lightning_mmpp.plan.launch import run_local
 
@@ -91,11 +91,19 @@ def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int 
     worlds = {plan.world_size for _, _, plan in runs}
     if len(worlds) != 1:
         raise PipelineConfigError(f"measure_runs: plans for world sizes {sorted(worlds)}; measure one size per call.")
+    if not isinstance(launches, int) or launches < 1:
+        raise PipelineConfigError(f"measure_runs(launches={launches!r}): give the number of launches, >= 1.")
+    world = worlds.pop()
     packed = [(make, batch, p.placements, p.topology, p.num_microbatches, str(p.schedule)) for make, batch, p in runs]
-    return run_local(_measure_worker, worlds.pop(), packed, steps, device, device=device, timeout=timeout)[0]
+    pooled: list[list[float]] = [[] for _ in packed]
+    for _ in range(launches):
+        for times, got in zip(pooled, run_local(_measure_worker, world, packed, steps, device, device=device,
+                                                timeout=timeout)[0]):
+            times.extend(got)
+    return [statistics.median(times) for times in pooled]
 
 
 def measure_plans(make_model: Callable[[], Any], batch: Any, plans: Sequence[Any], steps: int = 5,
-                  device: str = "cpu", timeout: float = 900.0) -> list[float]:
+                  device: str = "cpu", timeout: float = 900.0, launches: int = 1) -> list[float]:
     """:func:`measure_runs` of every plan of one model."""
-    return measure_runs([(make_model, batch, plan) for plan in plans], steps, device, timeout)
+    return measure_runs([(make_model, batch, plan) for plan in plans], steps, device, timeout, launches)
