@@ -5,7 +5,7 @@
 same layers the partitioner splits) on one sample batch, in one process, and times every layer
 on its own: the forward, the fused backward (gradient of ones for every float output), and the
 input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
-zero_bubble). The forward and the backward are timed again on a quarter of the samples, which
+zero_bubble). The forward and the backward are timed again on 2 samples, which
 splits each into a fixed part per call (Python, autograd, kernel launches: paid by every
 microbatch whatever its size) and a part that scales with the samples; scaling the whole time
 from the profiled batch down to a small microbatch missed the fixed part (a row-scaled sleep
@@ -40,6 +40,8 @@ from lightning_mmpp.plan.costs import LayerProfile, ModelProfile, ModuleProfile
 from lightning_mmpp.core.topology import ModuleTopology
 
 __all__ = ["default_link", "profile_model"]
+
+SMALL_SAMPLES = 2  # the second size each layer is timed at, for its fixed cost per call
 
 
 def default_link(device: str) -> tuple[float, float]:
@@ -159,10 +161,12 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
             input_grad = min(backward, _timed(input_half, forward_for_backward, repeats, device))
         else:
             input_grad = 0.0 if trainable else backward
-    # the fixed part per call: the same layer on a quarter of the samples (time = fixed + rate * samples;
-    # at least 2 samples, which a layer normalising over the batch needs in training)
+    # the fixed part per call: the same layer on 2 samples (time = fixed + rate * samples; 2, which a
+    # layer normalising over the batch needs in training): the fewer, the less the timing noise
+    # of either run moves the intercept (a quarter of 32 samples amplified it 1.33x, and a plan's
+    # small microbatches were priced by extrapolating below the measured sizes)
     forward_fixed = backward_fixed = 0.0
-    fewer = max(2, samples // 4)
+    fewer = SMALL_SAMPLES
     small = _first_samples(x, samples, fewer) if fewer < samples else None
     if small is not None:
         small_inputs = lambda: _detached_input(small, needs_grad)  # noqa: E731
