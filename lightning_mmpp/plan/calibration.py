@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -73,11 +74,7 @@ def median_samples(launches: Sequence[Any]) -> Any:
             raise ValueError("calibration launches measured different sample counts")
         merged = [median_samples([run[i] for run in launches]) for i in range(len(first))]
         return type(first)(merged) if isinstance(first, tuple) else merged
-    values = sorted(launches)
-    middle = len(values) // 2
-    if len(values) % 2:
-        return values[middle]
-    return (values[middle - 1] + values[middle]) / 2
+    return statistics.median(launches)
 
 
 def write_json(data: Mapping[str, Any], path: Optional[str | os.PathLike] = None) -> str:

@@ -37,8 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mmpp.core.placement import ModulePlacement
+from lightning_mmpp.core.kinds import ScheduleName
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, fit_line, median_samples
+from lightning_mmpp.plan.lockstep import time_lockstep
 
 __all__ = ["calibrate"]
 
@@ -221,13 +223,14 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
     runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES)}
     if world > 1:
         runs["chain"] = (ModulePlacement(pp=world, dp=1), world, tuple(c * world for c in CHAIN_MICROBATCHES_PER_STAGE))
+    width = _width(world)
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(FRAMEWORK_ROUNDS):
         for name, (placement, layers, counts) in runs.items():
             for m in counts:
                 torch.manual_seed(0)
-                batch = torch.randn(m * placement.dp * 2, _width(world))
-                model = _FrameworkModel(layers, _width(world))
+                batch = torch.randn(m * placement.dp * 2, width)
+                model = _FrameworkModel(layers, width)
                 times.setdefault((name, m), []).extend(timed_fit(
                     model, {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch, steps, device))
     return {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
@@ -300,7 +303,8 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
     # one layer's forward + backward as a profile measures it (older samples: its known wait)
-    work = sum(samples["layer"]) if "layer" in samples else FORWARD_S + BACKWARD_S
+    layer = samples.get("layer", (FORWARD_S, BACKWARD_S))
+    work = sum(layer)
     # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn
     (m1, t1), (m2, t2) = samples["framework"]["dp"]
     cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - DP_LAYERS * work) / 2)
@@ -315,7 +319,6 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
         per_action = ((t2 - t1) / (m2 - m1) - work) / 2
         cal.message_s = max(0.0, per_action - cal.action_s)
         # what the chain's step costs beyond its actions: the per-step cost of a pipelined layout
-        layer = samples.get("layer", (FORWARD_S, BACKWARD_S))
         cal.pipeline_step_s = max(0.0, t1 - _chain_seconds(world_size, m1, layer[0], layer[1], cal))
     return cal
 
@@ -324,10 +327,6 @@ def _chain_seconds(world: int, m: int, forward: float, backward: float, cal: Cal
     """The framework run's chain (1F1B over ``world`` one-layer stages, ``m`` microbatches) as
     the cost model times it from ``cal``'s per-action and per-message costs, without a per-step
     cost (its messages are a few hundred bytes: their bandwidth term is left out)."""
-    from lightning_mmpp.core.kinds import ScheduleName
-    from lightning_mmpp.core.placement import PipelineLayout
-    from lightning_mmpp.plan.lockstep import time_lockstep
-
     layout = PipelineLayout({"net": ModulePlacement(pp=world, dp=1)}, {"net": []})
 
     def forward_s(module: str, stage: int) -> float:
