@@ -74,6 +74,8 @@ def median_samples(launches: Sequence[Any]) -> Any:
             raise ValueError("calibration launches measured different sample counts")
         merged = [median_samples([run[i] for run in launches]) for i in range(len(first))]
         return type(first)(merged) if isinstance(first, tuple) else merged
+    if all(value == first for value in launches):
+        return first  # a size or microbatch count: the same in every launch, and an int stays an int
     return statistics.median(launches)
 
 
