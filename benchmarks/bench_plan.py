@@ -273,7 +273,7 @@ ACCURACY_MODELS = {
 
 
 def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float],
-                     launches: int = 3) -> None:
+                     launches: int = 5) -> None:
     """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit;
     the calibration and the measurement each take the median over ``launches`` launches."""
     import functools
@@ -418,7 +418,7 @@ def main() -> None:
     parser.add_argument("--accuracy-steps", type=int, default=15,
                         help="--accuracy: timed steps per plan (median); a pure-dp step spreads +-7%% on 2 cores, "
                              "so a 5-step median moves by up to 5%%")
-    parser.add_argument("--accuracy-launches", type=int, default=3,
+    parser.add_argument("--accuracy-launches", type=int, default=5,
                         help="--accuracy: launches the calibration and each plan's steps are pooled over; one launch "
                              "can run a few percent off throughout on a shared CPU")
     parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],

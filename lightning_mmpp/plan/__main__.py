@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="train the top K plans a few steps through Trainer.fit here; print measured vs predicted")
     parser.add_argument("--validate-steps", type=int, default=5)
     parser.add_argument("--launches", type=int, default=None, metavar="N",
-                        help="separate process launches that --calibrate (default 3) and --validate (default 1) "
+                        help="separate process launches that --calibrate (default 5) and --validate (default 1) "
                              "take the median over: on a shared CPU one launch can run a few percent off throughout")
     args = parser.parse_args(argv)
     try:
@@ -204,10 +204,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _calibration(args: argparse.Namespace) -> Optional[Calibration]:
     """The calibration the command line asks for: measured (``--calibrate``), read, or none."""
     if args.calibrate:
-        from lightning_mmpp.plan.measure import calibrate
+        from lightning_mmpp.plan.measure import CALIBRATION_LAUNCHES, calibrate
 
         ranks = args.calibrate_ranks or min(args.world_size, 4)
-        calibration = calibrate(ranks, args.device, launches=args.launches or 3)
+        calibration = calibrate(ranks, args.device, launches=args.launches or CALIBRATION_LAUNCHES)
         if args.calibration:
             calibration.to_json(args.calibration)
         return calibration
