@@ -42,6 +42,12 @@ from lightning_mmpp.plan.calibration import Calibration
 from lightning_mmpp.plan.costs import ModelProfile
 from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
 
+# --validate measures as benchmarks/bench_plan.py --accuracy does, whose figures the README quotes: on
+# a 2-core VM a pure-dp step spreads +-7% within a launch (a 5-step median moves by up to 5%) and a
+# whole launch can run a few percent off (the same plan 124-130 ms over six launches)
+VALIDATE_STEPS = 15
+VALIDATE_LAUNCHES = 3
+
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 
@@ -147,9 +153,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--calibration", help="a calibration JSON file: written with --calibrate, read without")
     parser.add_argument("--validate", type=int, default=0, metavar="K",
                         help="train the top K plans a few steps through Trainer.fit here; print measured vs predicted")
-    parser.add_argument("--validate-steps", type=int, default=5)
+    parser.add_argument("--validate-steps", type=int, default=VALIDATE_STEPS,
+                        help=f"--validate: timed steps per plan and launch (default {VALIDATE_STEPS})")
     parser.add_argument("--launches", type=int, default=None, metavar="N",
-                        help="separate process launches that --calibrate (default 5) and --validate (default 1) "
+                        help=f"separate process launches that --calibrate (default 5) and --validate "
+                             f"(default {VALIDATE_LAUNCHES}) "
                              "take the median over: on a shared CPU one launch can run a few percent off throughout")
     args = parser.parse_args(argv)
     try:
@@ -191,7 +199,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{len(plans)} best plans for {args.world_size} ranks, global batch {plans[0].batch_size}{limit}:")
     print(plans_table(plans))
     if measured:
-        print(f"\nmeasured here through Trainer.fit (median of {args.validate_steps} steps, slowest rank):")
+        launches = args.launches or VALIDATE_LAUNCHES
+        print(f"\nmeasured here through Trainer.fit (median of {args.validate_steps} steps x {launches} launches, "
+              f"slowest rank):")
         for i, (plan, seconds) in enumerate(zip(plans, measured)):
             print(f"#{i + 1}  predicted {plan.step_time_s * 1e3:.1f} ms  measured {seconds * 1e3:.1f} ms  "
                   f"measured/predicted {seconds / plan.step_time_s:.3f}")
@@ -232,7 +242,8 @@ def _validate(args: argparse.Namespace, plans: list[Any]) -> list[float]:
     from lightning_mmpp.plan.validate import measure_plans
 
     cls, batch, _ = load_target(args.target, plans[0].batch_size)
-    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device, launches=args.launches or 1)
+    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device,
+                         launches=args.launches or VALIDATE_LAUNCHES)
 
 
 if __name__ == "__main__":
