@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile, chain_profile, plan_placements  # noqa: E402
+from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES  # noqa: E402
 
 MB = 2**20
 GiB = 2**30
@@ -273,7 +274,7 @@ ACCURACY_MODELS = {
 
 
 def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float],
-                     launches: int = 5) -> None:
+                     launches: int = CALIBRATION_LAUNCHES) -> None:
     """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit;
     the calibration and the measurement each take the median over ``launches`` launches."""
     import functools
@@ -418,7 +419,7 @@ def main() -> None:
     parser.add_argument("--accuracy-steps", type=int, default=15,
                         help="--accuracy: timed steps per plan (median); a pure-dp step spreads +-7%% on 2 cores, "
                              "so a 5-step median moves by up to 5%%")
-    parser.add_argument("--accuracy-launches", type=int, default=5,
+    parser.add_argument("--accuracy-launches", type=int, default=CALIBRATION_LAUNCHES,
                         help="--accuracy: launches the calibration and each plan's steps are pooled over; one launch "
                              "can run a few percent off throughout on a shared CPU")
     parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],

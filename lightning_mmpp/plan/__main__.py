@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.errors import PipelineConfigError
-from lightning_mmpp.plan.calibration import Calibration
+from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES, Calibration
 from lightning_mmpp.plan.costs import ModelProfile
 from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
 
@@ -156,8 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--validate-steps", type=int, default=VALIDATE_STEPS,
                         help=f"--validate: timed steps per plan and launch (default {VALIDATE_STEPS})")
     parser.add_argument("--launches", type=int, default=None, metavar="N",
-                        help=f"separate process launches that --calibrate (default 5) and --validate "
-                             f"(default {VALIDATE_LAUNCHES}) "
+                        help=f"separate process launches that --calibrate (default {CALIBRATION_LAUNCHES}) and "
+                             f"--validate (default {VALIDATE_LAUNCHES}) "
                              "take the median over: on a shared CPU one launch can run a few percent off throughout")
     args = parser.parse_args(argv)
     try:
@@ -214,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _calibration(args: argparse.Namespace) -> Optional[Calibration]:
     """The calibration the command line asks for: measured (``--calibrate``), read, or none."""
     if args.calibrate:
-        from lightning_mmpp.plan.measure import CALIBRATION_LAUNCHES, calibrate
+        from lightning_mmpp.plan.measure import calibrate
 
         ranks = args.calibrate_ranks or min(args.world_size, 4)
         calibration = calibrate(ranks, args.device, launches=args.launches or CALIBRATION_LAUNCHES)

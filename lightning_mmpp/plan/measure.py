@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
-from lightning_mmpp.plan.calibration import Calibration, fit_line, median_samples
+from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES, Calibration, fit_line, median_samples
 from lightning_mmpp.plan.lockstep import time_lockstep
 
 __all__ = ["calibrate"]
@@ -53,12 +53,6 @@ OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 DP_MICROBATCHES = (2, 32)
 CHAIN_MICROBATCHES_PER_STAGE = (1, 8)  # a chain of pp stages runs pp and 8 pp microbatches
 FRAMEWORK_ROUNDS = 3
-# launches whose samples a calibration takes the median of. The chain run's cost per action
-# (action + message) came out 0.49-0.97 ms in single launches of 4 ranks on a 2-core VM (15
-# launches); the median of 3 of them spreads with a standard deviation of 0.08 ms, of 5 0.06 ms
-# (every subset of those 15), and pipelined plans are charged it on every action of their
-# critical path
-CALIBRATION_LAUNCHES = 5
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 32  # width of the framework runs' activations (small: their transfers are latency only)
