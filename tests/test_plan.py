@@ -405,6 +405,48 @@ def test_fit_calibration_recovers_known_constants(layer):
     assert 7 * (work + 2 * action) < _chain_seconds(world, 4, f, b, known) < 7 * (work + 2 * (action + message))
 
 
+def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
+    """profile_model times the optimizer configure_optimizers returns beside AdamW (what the
+    calibration times); the cost model charges the calibration's rate times their ratio."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpp.plan.profile import _configured_optimizer, _optimizer_ratio
+
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, 1)
+    for configured in (sgd, {"optimizer": sgd, "lr_scheduler": scheduler}, [sgd], ([sgd], [scheduler])):
+        assert _configured_optimizer(configured) is sgd
+    assert _configured_optimizer([sgd, sgd]) is None and _configured_optimizer(None) is None
+
+    class Model(nn.Module):
+        def __init__(self, configure):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+            self.configure = configure
+
+        def configure_optimizers(self):
+            return self.configure(self)
+
+    ratio = _optimizer_ratio(Model(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)), torch.device("cpu"))
+    assert ratio is not None and ratio > 0
+    # AdamW's defaults hold a setting its constructor does not take: rebuilt from the ones it does
+    assert _optimizer_ratio(Model(lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)), torch.device("cpu")) > 0
+
+    def needs_trainer(model):
+        raise RuntimeError("not attached to a Trainer")
+
+    assert _optimizer_ratio(Model(needs_trainer), torch.device("cpu")) is None
+    profile = replace_calibration(heterogeneous(), _calibration())
+    plan = plan_placements(profile, 4, top_k=1)[0]
+    adamw = CostModel(profile, plan.placements, plan.num_microbatches)
+    profile.optimizer_ratio = 0.25
+    assert ModelProfile.from_json(profile.to_json()).optimizer_ratio == 0.25
+    cheaper = CostModel(profile, plan.placements, plan.num_microbatches)
+    for key, stage in adamw._stages.items():
+        assert stage.optimizer_s > 0 and cheaper._stages[key].optimizer_s == pytest.approx(0.25 * stage.optimizer_s)
+
+
 def test_a_pipelined_plan_pays_the_pipelined_step_cost_and_pure_dp_the_lockstep_one():
     from lightning_mmpp.plan.costs import in_lockstep
 

@@ -168,6 +168,10 @@ class ModelProfile:
             (:func:`lightning_mmpp.plan.calibrate`); when given, the cost model charges them
             instead of ``bandwidth_bytes_per_s`` / ``latency_s`` alone (see
             :mod:`lightning_mmpp.plan.calibration`).
+        optimizer_ratio: a step of the model's own optimizer per parameter byte over AdamW's
+            (:func:`~lightning_mmpp.plan.profile_model` times the one ``configure_optimizers``
+            returns beside AdamW); the calibration's optimizer rate (AdamW's) is charged times
+            this. ``None``: 1 (AdamW).
     """
 
     modules: dict[str, ModuleProfile]
@@ -180,6 +184,7 @@ class ModelProfile:
     device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)
     calibration: Optional[Calibration] = None
+    optimizer_ratio: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -232,6 +237,14 @@ class ModelProfile:
         """Forward + backward seconds of the whole model on ``samples`` (default: the batch)."""
         n = self.batch_size if samples is None else samples
         return sum(sum(m.work()) for m in self.modules.values()) * n / self.profile_batch_size
+
+    def optimizer_seconds(self, nbytes: float) -> float:
+        """The optimizer step over ``nbytes`` of parameters held by one rank: the calibration's
+        rate (AdamW's) times ``optimizer_ratio``; 0 without a calibration."""
+        if self.calibration is None:
+            return 0.0
+        ratio = 1.0 if self.optimizer_ratio is None else self.optimizer_ratio
+        return ratio * self.calibration.optimizer_seconds(nbytes)
 
     def frozen_modules(self) -> frozenset[str]:
         """Modules with no trainable parameter."""
@@ -482,7 +495,7 @@ class CostModel:
             else:
                 sync = cal.allreduce_seconds(trainable_bytes, dp, calls)
             action = cal.action_s
-            optimizer = cal.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes) \
+            optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes) \
                 if trains else 0.0
         recomputed = forward if placement.recompute else 0.0
         backward += recomputed

@@ -21,6 +21,8 @@ on ``device``, measured and returned to the meta device, so the whole model is n
 
 from __future__ import annotations
 
+import functools
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -281,10 +283,77 @@ def profile_model(
         profiled.tp_capable = tp_capable
     ordered = {m: modules[m] for m in topology}
     return ModelProfile(
+        optimizer_ratio=_optimizer_ratio(lightning_module, device),
         modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
         latency_s=default_latency if latency_s is None else latency_s, device=str(device), calibration=calibration,
     )
+
+
+# the model's optimizer and AdamW are timed on this many parameter bytes each (4 tensors), in turn
+OPTIMIZER_PROBE_BYTES = 4 * 1024 * 1024
+OPTIMIZER_PROBE_ROUNDS = 9
+
+
+def _configured_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
+    """The optimizer of what ``configure_optimizers`` returned (an optimizer, a dict with
+    ``"optimizer"``, a list / tuple of them, or ``(optimizers, schedulers)``); ``None`` when
+    there is not exactly one (the strategy trains with one optimizer)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, Mapping):
+        return _configured_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        if len(configured) == 2 and isinstance(configured[1], (list, tuple)):  # (optimizers, schedulers)
+            return _configured_optimizer(configured[0])
+        return _configured_optimizer(configured[0]) if len(configured) == 1 else None
+    return None
+
+
+def _probe(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer], device: torch.device) -> Callable[[], None]:
+    """A step of ``build(params)`` on fresh parameters with gradients (its state created)."""
+    params = [nn.Parameter(torch.zeros(OPTIMIZER_PROBE_BYTES // 16, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = build(params)
+    optimizer.step()  # its state is created on the first step
+    return optimizer.step
+
+
+def _constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's ``defaults`` its constructor takes (AdamW keeps one its constructor fixes)."""
+    parameters = inspect.signature(type(optimizer)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
+
+
+def _optimizer_ratio(lightning_module: nn.Module, device: torch.device) -> Optional[float]:
+    """The model's own optimizer's step over AdamW's (which the calibration times per parameter
+    byte, among ranks sharing the machine) on the same parameter bytes (4 MiB), both timed here
+    side by side: an SGD step costs a fraction of AdamW's. ``None`` when the model configures no
+    single optimizer here (e.g. its scheduler needs the Trainer) or its class cannot be rebuilt
+    from its ``defaults``: the cost model then charges AdamW's rate."""
+    configure = getattr(lightning_module, "configure_optimizers", None)
+    if not callable(configure):
+        return None
+    try:
+        optimizer = _configured_optimizer(configure())
+        if optimizer is None:
+            return None
+        own = _probe(functools.partial(type(optimizer), **_constructor_settings(optimizer)), device)
+    except Exception:  # noqa: BLE001 - anything the user's hook or optimizer needs that a profile lacks
+        return None
+    adamw = _probe(lambda params: torch.optim.AdamW(params, lr=1e-6), device)
+    # one step of each in turn, the median of their ratios: a burst of load elsewhere moves one
+    # pair, not the result
+    ratios = []
+    for _ in range(OPTIMIZER_PROBE_ROUNDS):
+        t_own = _timed(lambda _: own(), lambda: None, 1, device)
+        t_adamw = _timed(lambda _: adamw(), lambda: None, 1, device)
+        if t_adamw > 0:
+            ratios.append(t_own / t_adamw)
+    return statistics.median(ratios) if ratios else None
 
 
 def _model_topology(
