@@ -202,15 +202,9 @@ def _fsdp(device: torch.device, group: Any = None,
 
 
 def _optimizer(device: torch.device) -> list[tuple[int, float]]:
-    points = []
-    for size in OPTIMIZER_SIZES:
-        params = [nn.Parameter(torch.zeros(size // 16, device=device)) for _ in range(4)]
-        for p in params:
-            p.grad = torch.ones_like(p)
-        optimizer = torch.optim.AdamW(params, lr=1e-6)
-        optimizer.step()
-        points.append((size, _slowest(optimizer.step, 5, device)))
-    return points
+    from lightning_mmpp.plan.profile import optimizer_probe, reference_optimizer
+
+    return [(size, _slowest(optimizer_probe(reference_optimizer, device, size), 5, device)) for size in OPTIMIZER_SIZES]
 
 
 def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:

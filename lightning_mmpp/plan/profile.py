@@ -310,13 +310,21 @@ def _configured_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
     return None
 
 
-def _probe(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer], device: torch.device) -> Callable[[], None]:
-    """A step of ``build(params)`` on fresh parameters with gradients (its state created)."""
-    params = [nn.Parameter(torch.zeros(OPTIMIZER_PROBE_BYTES // 16, device=device)) for _ in range(4)]
+def reference_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer whose step per parameter byte :func:`~lightning_mmpp.plan.calibrate` times
+    (``Calibration.optimizer_s_per_byte``), and which a model's own is compared with."""
+    return torch.optim.AdamW(params, lr=1e-6)
+
+
+def optimizer_probe(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer], device: torch.device,
+                    nbytes: int = OPTIMIZER_PROBE_BYTES) -> Callable[[], None]:
+    """A step of ``build(params)`` on ``nbytes`` of fresh parameters (4 tensors) with gradients,
+    its state created by a first step."""
+    params = [nn.Parameter(torch.zeros(nbytes // 16, device=device)) for _ in range(4)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = build(params)
-    optimizer.step()  # its state is created on the first step
+    optimizer.step()
     return optimizer.step
 
 
@@ -341,10 +349,10 @@ def _optimizer_ratio(lightning_module: nn.Module, device: torch.device) -> Optio
         optimizer = _configured_optimizer(configure())
         if optimizer is None:
             return None
-        own = _probe(functools.partial(type(optimizer), **_constructor_settings(optimizer)), device)
+        own = optimizer_probe(functools.partial(type(optimizer), **_constructor_settings(optimizer)), device)
     except Exception:  # noqa: BLE001 - anything the user's hook or optimizer needs that a profile lacks
         return None
-    adamw = _probe(lambda params: torch.optim.AdamW(params, lr=1e-6), device)
+    adamw = optimizer_probe(reference_optimizer, device)
     # one step of each in turn, the median of their ratios: a burst of load elsewhere moves one
     # pair, not the result
     ratios = []
