@@ -13,12 +13,15 @@ fewer cores than ranks they do:
 Each is profiled with one intra-op thread per rank (what a rank gets), planned for ``--world``
 ranks with the calibration, and its top plan, best uniform plan and best pure-dp plan are trained
 through ``Trainer.fit`` (``--steps`` steps in each of ``--launches`` launches, the median):
-measured / predicted per plan. CI never runs this.
+measured / predicted per plan. Each plan is also predicted as if every rank had a core of its
+own (the calibration's ``host_cores`` cleared), and that search's top plan is measured too: what
+timing the ranks' sharing of the cores (``lightning_mmpp.plan.sharing``) changes. CI never runs this.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -32,7 +35,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_mmpp.plan import Calibration, calibrate, plan_placements, profile_model  # noqa: E402
+from lightning_mmpp.plan.costs import CostModel  # noqa: E402
 from lightning_mmpp.plan.launch import rank_threads  # noqa: E402
+from lightning_mmpp.plan.sharing import shared_step_seconds  # noqa: E402
 from lightning_mmpp.plan.validate import measure_runs  # noqa: E402
 
 
@@ -80,26 +85,43 @@ def main() -> None:
 
     cases = [("8 Linear(1024), enc(3) -> lm(5), SGD, batch 64", linear_model, torch.randn(64, 1024), None),
              ("example VisionAudioLM, AdamW, batch 32", VisionAudioLM, sample_batch(32), TOPOLOGY)]
+    alone = dataclasses.replace(cal, host_cores=0)  # every rank with a core of its own
     runs, rows = [], []
     for name, make, batch, topology in cases:
         profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(args.world), topology=topology)
         plans = plan_placements(profile, args.world, top_k=40)
-        picks = {"top": plans[0]}
+        plans_alone = plan_placements(profile, args.world, top_k=200, calibration=alone)
+        picks = {"top": plans[0], "top with a core per rank": plans_alone[0]}
         uniform = plan_placements(profile, args.world, top_k=1, uniform=True)
         if uniform:
             picks["uniform"] = uniform[0]
         pure_dp = [p for p in plans if all(q.num_stages == 1 and q.dp == args.world for q in p.placements.values())]
         if pure_dp:
             picks["pure dp"] = pure_dp[0]
-        print(f"{name}: optimizer ratio {profile.optimizer_ratio}", flush=True)
+        print(f"{name}: optimizer ratio {profile.optimizer_ratio}, per tensor {(profile.optimizer_tensor_s or 0) * 1e6:.1f} us",
+              flush=True)
+        alone_by = {_key(p): p for p in plans_alone}
+        measured_keys = set()
         for kind, plan in picks.items():
+            if _key(plan) in measured_keys:
+                continue
+            measured_keys.add(_key(plan))
+            if kind == "top with a core per rank":  # its prediction with the cores shared
+                cost = CostModel(profile, plan.placements, plan.num_microbatches, profile.frozen_modules())
+                plan = dataclasses.replace(plan, step_time_s=shared_step_seconds(
+                    profile, plan.placements, plan.num_microbatches, plan.schedule, cost, profile.frozen_modules()))
             runs.append((make, batch, plan))
-            rows.append((name, kind, plan))
+            rows.append((name, kind, plan, alone_by.get(_key(plan))))
     measured = measure_runs(runs, args.steps, launches=args.launches)
-    print("\n| model | plan | predicted | measured | ratio |\n|---|---|---|---|---|")
-    for (name, kind, plan), seconds in zip(rows, measured):
-        print(f"| {name} | {kind}: {plan.describe().replace(' | ', ' / ')}, m={plan.num_microbatches} | {plan.step_time_s * 1e3:.1f} ms "
-              f"| {seconds * 1e3:.1f} ms | {seconds / plan.step_time_s:.3f} |")
+    print("\n| model | plan | predicted, a core per rank | predicted | measured | ratio |\n|---|---|---|---|---|---|")
+    for (name, kind, plan, alone_plan), seconds in zip(rows, measured):
+        alone_s = f"{alone_plan.step_time_s * 1e3:.1f} ms" if alone_plan is not None else "-"
+        print(f"| {name} | {kind}: {plan.describe().replace(' | ', ' / ')}, m={plan.num_microbatches} | {alone_s} "
+              f"| {plan.step_time_s * 1e3:.1f} ms | {seconds * 1e3:.1f} ms | {seconds / plan.step_time_s:.3f} |")
+
+
+def _key(plan: Any) -> tuple:
+    return plan.describe(), plan.num_microbatches
 
 
 if __name__ == "__main__":

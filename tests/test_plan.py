@@ -407,11 +407,15 @@ def test_fit_calibration_recovers_known_constants(layer):
 
 def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
     """profile_model times the optimizer configure_optimizers returns beside AdamW (what the
-    calibration times); the cost model charges the calibration's rate times their ratio."""
+    calibration times) and on many tiny tensors; the cost model charges the calibration's rate
+    times their ratio, plus the cost per tensor for every trainable parameter tensor a rank holds."""
     import torch
     from torch import nn
 
-    from lightning_mmpp.plan.profile import _configured_optimizer, _optimizer_ratio
+    from lightning_mmpp.plan.profile import _configured_optimizer, _optimizer_costs
+
+    def _optimizer_ratio(model, device):
+        return _optimizer_costs(model, device)[0]
 
     sgd = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(sgd, 1)
@@ -428,6 +432,9 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
         def configure_optimizers(self):
             return self.configure(self)
 
+        def pipeline_inputs(self, module, batch, upstream):
+            return batch
+
     ratio = _optimizer_ratio(Model(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)), torch.device("cpu"))
     assert ratio is not None and ratio > 0
     # AdamW's defaults hold a setting its constructor does not take: rebuilt from the ones it does
@@ -436,7 +443,15 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
     def needs_trainer(model):
         raise RuntimeError("not attached to a Trainer")
 
-    assert _optimizer_ratio(Model(needs_trainer), torch.device("cpu")) is None
+    assert _optimizer_costs(Model(needs_trainer), torch.device("cpu")) == (None, None)
+    per_tensor = _optimizer_costs(Model(lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)), torch.device("cpu"))[1]
+    assert isinstance(per_tensor, float) and per_tensor >= 0
+    from lightning_mmpp.plan import profile_model
+
+    profiled = profile_model(Model(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)), torch.zeros(4, 4),
+                             topology={"layer": []})
+    assert [layer.param_tensors for layer in profiled.modules["layer"].layers] == [2]  # weight and bias
+    assert profiled.optimizer_ratio is not None and profiled.optimizer_tensor_s is not None
     profile = replace_calibration(heterogeneous(), _calibration())
     plan = plan_placements(profile, 4, top_k=1)[0]
     adamw = CostModel(profile, plan.placements, plan.num_microbatches)
@@ -445,6 +460,17 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
     cheaper = CostModel(profile, plan.placements, plan.num_microbatches)
     for key, stage in adamw._stages.items():
         assert stage.optimizer_s > 0 and cheaper._stages[key].optimizer_s == pytest.approx(0.25 * stage.optimizer_s)
+    # a fixed cost per tensor: each stage pays it for its trainable layers' tensors
+    for module in profile.modules.values():
+        for layer in module.layers:
+            layer.param_tensors = 2
+    profile.optimizer_tensor_s = 1e-3
+    assert ModelProfile.from_json(profile.to_json()).optimizer_tensor_s == 1e-3
+    per_tensor = CostModel(profile, plan.placements, plan.num_microbatches)
+    for (module, stage), cost in cheaper._stages.items():
+        trainable = [layer for i, layer in enumerate(profile.modules[module].layers)
+                     if i in per_tensor.ranges(module)[stage] and layer.trainable]
+        assert per_tensor._stages[(module, stage)].optimizer_s == pytest.approx(cost.optimizer_s + 2e-3 * len(trainable))
 
 
 def test_a_pipelined_plan_pays_the_pipelined_step_cost_and_pure_dp_the_lockstep_one():
@@ -514,7 +540,8 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
 
     cal = calibrate(2, steps=2, launches=1)
     assert cal.world_size == 2 and cal.action_s > 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
-    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer"}
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer", "host_cores"}
+    assert cal.host_cores >= 1
 
 
 def test_cli_reads_a_calibration_and_validate_needs_a_model(tmp_path, capsys):

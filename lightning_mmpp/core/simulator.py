@@ -86,7 +86,7 @@ def _identity(t: Transfer) -> tuple[bool, str, str, int, int, int]:
             key.dst_chunk)
 
 
-def _partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]:
+def exchange_partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]:
     """Per rank and action index: the ``(peer, its action index)`` of every send and of every
     receive of that action (empty lists for computes)."""
     posts: dict[tuple[int, int, tuple[bool, str, str, int, int, int], bool], int] = {}  # (rank, peer, message, is send)
@@ -125,7 +125,7 @@ def _partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int]], list
     return partner
 
 
-class _PhaseCosts:
+class PhaseSeconds:
     """Seconds of each compute of a schedule: ``F``, a fused ``B``, ``I``, ``W`` per ``(module,
     stage)``; a ``W`` without an ``I`` before it (a lone W) is the whole backward and costs a ``B``."""
 
@@ -223,11 +223,11 @@ def simulate(
     :class:`~lightning_mmpp.errors.PipelineConfigError`.
     """
     rendezvous = SimulatorMode.parse(mode) is SimulatorMode.RENDEZVOUS
-    costs = _PhaseCosts(schedule, layout, forward_cost, backward_cost, input_cost, weight_cost)
+    costs = PhaseSeconds(schedule, layout, forward_cost, backward_cost, input_cost, weight_cost)
     stash = _StashCounter(schedule, layout, costs.with_input_half, weight_stash)
     world = layout.world_size
     actions = schedule.actions
-    partner = _partners(schedule)
+    partner = exchange_partners(schedule)
     computes: list[tuple[int, float, float, Compute]] = []
     pc = [0] * world
     clock = [0.0] * world

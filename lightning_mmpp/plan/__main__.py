@@ -103,7 +103,7 @@ def load_target(target: str, batch_size: int) -> tuple[Any, Any, Any]:
     return cls, _sample_batch(script, batch_size), topology
 
 
-def profile_target(target: str, batch_size: int, device: str, repeats: int, bandwidth: Optional[float],
+def profile_target(target: str, batch_size: int, device: str, repeats: Optional[int], bandwidth: Optional[float],
                    latency: Optional[float], calibration: Optional[Calibration] = None,
                    num_threads: Optional[int] = None) -> ModelProfile:
     """Profile ``script.py:ModelClass`` on a sample batch (see the module docstring)."""
@@ -112,9 +112,9 @@ def profile_target(target: str, batch_size: int, device: str, repeats: int, band
     cls, batch, topology = load_target(target, batch_size)
     model = cls()
     topology = getattr(model, "pipeline_topology", None) or topology
-    return profile_model(model, batch, device=device, repeats=repeats, topology=topology,
-                         bandwidth_bytes_per_s=bandwidth, latency_s=latency, calibration=calibration,
-                         num_threads=num_threads)
+    given = {} if repeats is None else {"repeats": repeats}
+    return profile_model(model, batch, device=device, topology=topology, bandwidth_bytes_per_s=bandwidth,
+                         latency_s=latency, calibration=calibration, num_threads=num_threads, **given)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -144,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="the top plan is within 1 + this of an exhaustive search's best (0: exact, slower)")
     parser.add_argument("--device", default="cpu", help="where to profile")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed runs per layer measurement (default: profile_model's)")
     parser.add_argument("--bandwidth", type=parse_bytes, help="link bandwidth per second, e.g. 25GB/s")
     parser.add_argument("--latency", type=float, help="seconds per message")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -23,7 +23,10 @@ the profiled layer times:
   reshard) and reduce-scatter (``scatter_layer_s`` + ``scatter_step_s`` per ring step + bytes,
   once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
-  shard, when sharded).
+  shard, when sharded);
+* ``host_cores``: the cores of the host the ``world_size`` ranks ran on (0 on an accelerator,
+  whose layers do not run on them, and in older calibrations). Where ranks outnumber them, ranks
+  that compute at once share the cores (:mod:`lightning_mmpp.plan.sharing`).
 
 Every constant is measured (:mod:`lightning_mmpp.plan.measure`), never assumed: the
 framework's own costs change as it changes. The raw samples behind each fit are kept in
@@ -136,6 +139,7 @@ class Calibration:
     scatter_step_s: float = 0.0
     allreduce_call_s: float = 0.0
     pipeline_step_s: Optional[float] = None  # None (older calibrations): step_s
+    host_cores: int = 0  # 0 (an accelerator, older calibrations): ranks are not taken to share cores
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -230,4 +234,6 @@ class Calibration:
             f"per ring step + {bw(self.gather_bandwidth)}, reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + "
             f"{self.scatter_step_s * 1e3:.3f} ms per ring step + {bw(self.scatter_bandwidth)}",
             f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte",
+            f"  host: {self.host_cores} cores for {self.world_size} ranks" if self.host_cores else
+            "  host: cores not shared (an accelerator, or not measured)",
         ])

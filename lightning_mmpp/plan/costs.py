@@ -85,6 +85,17 @@ class LayerProfile:
     split), so every tp rank runs all of it and holds all its parameters. A hand-written
     profile should set 0 on such layers; :func:`~lightning_mmpp.plan.profile_model` cannot see
     what the hook splits and keeps the default.
+
+    ``param_tensors``: the layer's trainable parameter tensors; an optimizer that loops over
+    tensors pays :attr:`ModelProfile.optimizer_tensor_s` for each (every rank holding a shard
+    or a tp slice of the layer holds as many tensors).
+
+    ``cpu_share``: the share of the layer's time that keeps a CPU core busy (its process's CPU
+    seconds over its wall seconds, at most 1): about 1 for a layer that computes on the CPU,
+    about 0 for one that waits (for a GPU's kernels, or a timer). Where a host runs more ranks
+    than it has cores, that share of each compute is slowed by the ranks computing beside it
+    (:mod:`lightning_mmpp.plan.sharing`). 0 (the default, and a hand-written profile's): the
+    layer never competes for a core.
     """
 
     name: str
@@ -99,6 +110,8 @@ class LayerProfile:
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
     tp_allreduces: int = 2
+    param_tensors: int = 0
+    cpu_share: float = 0.0
 
     def split_by(self, tp: int) -> int:
         """The ranks this layer's work and parameters are divided over at ``tp``: ``tp`` when
@@ -172,6 +185,9 @@ class ModelProfile:
             (:func:`~lightning_mmpp.plan.profile_model` times the one ``configure_optimizers``
             returns beside AdamW); the calibration's optimizer rate (AdamW's) is charged times
             this. ``None``: 1 (AdamW).
+        optimizer_tensor_s: the model's own optimizer's fixed cost per parameter tensor it steps
+            (:func:`~lightning_mmpp.plan.profile_model` times it on tiny tensors), charged per
+            :attr:`LayerProfile.param_tensors` beside the rate per byte. ``None``: 0.
     """
 
     modules: dict[str, ModuleProfile]
@@ -185,6 +201,7 @@ class ModelProfile:
     extra: dict[str, Any] = field(default_factory=dict)
     calibration: Optional[Calibration] = None
     optimizer_ratio: Optional[float] = None
+    optimizer_tensor_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -238,13 +255,15 @@ class ModelProfile:
         n = self.batch_size if samples is None else samples
         return sum(sum(m.work()) for m in self.modules.values()) * n / self.profile_batch_size
 
-    def optimizer_seconds(self, nbytes: float) -> float:
-        """The optimizer step over ``nbytes`` of parameters held by one rank: the calibration's
-        rate (AdamW's) times ``optimizer_ratio``; 0 without a calibration."""
+    def optimizer_seconds(self, nbytes: float, tensors: int = 0) -> float:
+        """The optimizer step over ``nbytes`` of parameters in ``tensors`` tensors held by one
+        rank: the calibration's rate (AdamW's) times ``optimizer_ratio``, plus
+        ``optimizer_tensor_s`` per tensor; 0 without a calibration."""
         if self.calibration is None:
             return 0.0
         ratio = 1.0 if self.optimizer_ratio is None else self.optimizer_ratio
-        return ratio * self.calibration.optimizer_seconds(nbytes)
+        per_tensor = self.optimizer_tensor_s or 0.0
+        return ratio * self.calibration.optimizer_seconds(nbytes) + per_tensor * tensors
 
     def frozen_modules(self) -> frozenset[str]:
         """Modules with no trainable parameter."""
@@ -326,6 +345,12 @@ class StageCost:
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # one recomputed layer's activations, one gathered layer
     optimizer_s: float = 0.0  # the optimizer step over this rank's share of the stage's parameters
+    # the parts of forward_s / backward_s / input_s / weight_s that keep a core busy: the
+    # layers' time times their ``cpu_share`` (lightning_mmpp.plan.sharing)
+    forward_cpu_s: float = 0.0
+    backward_cpu_s: float = 0.0
+    input_cpu_s: float = 0.0
+    weight_cpu_s: float = 0.0
 
 
 class CostModel:
@@ -465,6 +490,9 @@ class CostModel:
         forward = sum(layer.forward_seconds(scale / layer.split_by(tp)) for layer in layers)
         backward = sum(layer.backward_seconds(scale / layer.split_by(tp)) for layer in layers)
         input_half = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) for layer in layers)
+        forward_cpu = sum(layer.forward_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
+        backward_cpu = sum(layer.backward_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
+        input_cpu = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
         param_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers)
         trainable_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers if layer.trainable)
         # the tp all-reduces of each split layer's output, per forward and as many per backward
@@ -495,14 +523,20 @@ class CostModel:
             else:
                 sync = cal.allreduce_seconds(trainable_bytes, dp, calls)
             action = cal.action_s
-            optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes) \
-                if trains else 0.0
+            tensors = sum(layer.param_tensors for layer in layers if layer.trainable)
+            optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes,
+                                                  tensors) if trains else 0.0
         recomputed = forward if placement.recompute else 0.0
+        recomputed_cpu = forward_cpu if placement.recompute else 0.0
+        weight_cpu = max(0.0, backward_cpu - input_cpu) + recomputed_cpu
+        backward_cpu += recomputed_cpu
+        input_cpu += recomputed_cpu
         backward += recomputed
         input_half += recomputed
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0
+            backward_cpu = input_cpu = weight_cpu = 0.0
         else:
             # zero_bubble: I waits for the output gradient and the gathered weights; W is an
             # autograd call (and, calibrated, an action) of its own: it gathers a sharded layer
@@ -525,7 +559,8 @@ class CostModel:
         else:
             activation = sum(layer.activation_bytes_per_sample for layer in layers) * samples
             transient = 0.0
-        return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer)
+        return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer,
+                         forward_cpu, backward_cpu, input_cpu, weight_cpu)
 
     def stage(self, module: str, stage: int) -> StageCost:
         """The costs of ``(module, stage)``."""

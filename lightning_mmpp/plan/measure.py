@@ -27,6 +27,7 @@ Times are the slowest rank's (an all-reduce of the maximum), medians over repeat
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -45,7 +46,9 @@ from lightning_mmpp.plan.lockstep import time_lockstep
 __all__ = ["calibrate"]
 
 P2P_SIZES = (256, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
-ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024)
+# up to a gradient bucket's size (25 MiB): the pure-dp all-reduce of 32 MB of gradients was
+# charged at a bandwidth fitted up to 4 MiB alone
+ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 FSDP_WIDTHS = (32, 256, 1024)  # square linear layers: 4 KiB, 256 KiB, 4 MiB of fp32 parameters
 OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 # the framework constants are slopes over the microbatch count: the wider apart the two counts,
@@ -296,6 +299,7 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_step_s", step)
             setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
+    cal.host_cores = int(samples.get("host_cores", 0))
     # one layer's forward + backward as a profile measures it (older samples: its known wait)
     layer = samples.get("layer", (FORWARD_S, BACKWARD_S))
     work = sum(layer)
@@ -365,4 +369,13 @@ def calibrate(world_size: int, device: str = "cpu", steps: int = 5, timeout: flo
     if not isinstance(launches, int) or launches < 1:
         raise PipelineConfigError(f"calibrate(launches={launches!r}): give the number of launches, >= 1.")
     runs = [run_local(_worker, world_size, device, steps, device=device, timeout=timeout)[0] for _ in range(launches)]
-    return fit_calibration(world_size, device, median_samples(runs))
+    samples = median_samples(runs)
+    # on an accelerator the layers run on the devices: the host's cores are not what ranks share
+    samples["host_cores"] = 0 if device.startswith("cuda") else host_cores()
+    return fit_calibration(world_size, device, samples)
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS tells it, else the count)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)

@@ -44,6 +44,10 @@ from lightning_mmpp.core.topology import ModuleTopology
 __all__ = ["default_link", "profile_model"]
 
 SMALL_SAMPLES = 2  # the second size each layer is timed at, for its fixed cost per call
+# timed runs per measurement (the median): with 3, one profile in three of 8 equal Linear(1024)
+# layers on a 2-core VM came out 25% dear (backward 3.5-6.4 ms per layer against 3.7), and the
+# first layer's backward 3.5 ms against 2.1 ms with 9; with 9, three profiles within 4%
+PROFILE_REPEATS = 9
 
 
 def default_link(device: str) -> tuple[float, float]:
@@ -74,16 +78,24 @@ def _sync(device: torch.device) -> None:
 
 def _timed(fn: Callable[[], Any], prepare: Callable[[], Any], repeats: int, device: torch.device) -> float:
     """Median seconds of ``fn(prepare())`` over ``repeats`` runs after one warmup."""
-    times = []
+    return _timed_with_cpu(fn, prepare, repeats, device)[0]
+
+
+def _timed_with_cpu(fn: Callable[[], Any], prepare: Callable[[], Any], repeats: int,
+                    device: torch.device) -> tuple[float, float]:
+    """Median seconds of ``fn(prepare())`` over ``repeats`` runs after one warmup, and the
+    median of the process's CPU seconds in the same runs (every thread of it)."""
+    times, cpu = [], []
     for i in range(repeats + 1):
         arg = prepare()
         _sync(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn(arg)
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def _detached_input(x: Any, needs_grad: bool) -> Any:
@@ -148,12 +160,12 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(inputs())
-    forward = _timed(layer, inputs, repeats, device)
+    forward, forward_cpu = _timed_with_cpu(layer, inputs, repeats, device)
     outs, grads = _grad_outputs(y)
-    backward = input_grad = 0.0
+    backward = input_grad = backward_cpu = 0.0
     forward_for_backward = _forward_for_backward(layer, inputs)
     if outs:
-        backward = _timed(_backward, forward_for_backward, repeats, device)
+        backward, backward_cpu = _timed_with_cpu(_backward, forward_for_backward, repeats, device)
         wanted = [t for t in _leaves(inputs()) if t.requires_grad]
         if wanted and trainable:
             def input_half(a: tuple[Any, list, list]) -> None:
@@ -184,8 +196,17 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
         activation_bytes_per_sample=sum(saved.values()) / samples if trainable or needs_grad else 0.0,
         input_bytes_per_sample=_nbytes(x) / samples, output_bytes_per_sample=_nbytes(y) / samples,
         forward_fixed_s=forward_fixed, backward_fixed_s=backward_fixed,
+        param_tensors=sum(1 for p in params if p.requires_grad),
+        cpu_share=_cpu_share(forward + backward, forward_cpu + backward_cpu),
     )
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+
+
+def _cpu_share(wall: float, cpu: float) -> float:
+    """The share of a layer's time that keeps a core busy: its process's CPU seconds over its
+    wall seconds, within ``[0, 1]`` (a layer on several intra-op threads counts as one core: where
+    ranks outnumber the cores, each rank runs one thread)."""
+    return min(1.0, max(0.0, cpu / wall)) if wall > 0 else 0.0
 
 
 def _materialise_layer(layer: nn.Module, device: torch.device, seed: int) -> None:
@@ -203,7 +224,7 @@ def profile_model(
     lightning_module: nn.Module,
     batch: Any,
     device: str | torch.device = "cpu",
-    repeats: int = 3,
+    repeats: int = PROFILE_REPEATS,
     *,
     topology: Optional[Mapping[str, Sequence[str]]] = None,
     bandwidth_bytes_per_s: Optional[float] = None,
@@ -282,8 +303,9 @@ def profile_model(
     for profiled in modules.values():
         profiled.tp_capable = tp_capable
     ordered = {m: modules[m] for m in topology}
+    optimizer_ratio, optimizer_tensor_s = _optimizer_costs(lightning_module, device)
     return ModelProfile(
-        optimizer_ratio=_optimizer_ratio(lightning_module, device),
+        optimizer_ratio=optimizer_ratio, optimizer_tensor_s=optimizer_tensor_s,
         modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
         latency_s=default_latency if latency_s is None else latency_s, device=str(device), calibration=calibration,
@@ -293,6 +315,13 @@ def profile_model(
 # the model's optimizer and AdamW are timed on this many parameter bytes each (4 tensors), in turn
 OPTIMIZER_PROBE_BYTES = 4 * 1024 * 1024
 OPTIMIZER_PROBE_ROUNDS = 9
+# the model's optimizer's cost per parameter tensor: its step on this many tiny tensors against
+# its step on FEW_TENSORS of them (an optimizer that loops over tensors, as torch's do on CPU by
+# default, pays a fixed cost for each: 27 us per tensor for AdamW on one thread of a 2-core VM,
+# ten times the example model's 111 KB of parameters at AdamW's rate per byte)
+MANY_TENSORS = 64
+FEW_TENSORS = 8
+TINY_TENSOR_BYTES = 64
 
 
 def _configured_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
@@ -317,10 +346,10 @@ def reference_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def optimizer_probe(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer], device: torch.device,
-                    nbytes: int = OPTIMIZER_PROBE_BYTES) -> Callable[[], None]:
-    """A step of ``build(params)`` on ``nbytes`` of fresh parameters (4 tensors) with gradients,
-    its state created by a first step."""
-    params = [nn.Parameter(torch.zeros(nbytes // 16, device=device)) for _ in range(4)]
+                    nbytes: int = OPTIMIZER_PROBE_BYTES, tensors: int = 4) -> Callable[[], None]:
+    """A step of ``build(params)`` on ``nbytes`` of fresh fp32 parameters (``tensors`` equal
+    tensors) with gradients, its state created by a first step."""
+    params = [nn.Parameter(torch.zeros(max(1, nbytes // (4 * tensors)), device=device)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = build(params)
@@ -336,32 +365,42 @@ def _constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
-def _optimizer_ratio(lightning_module: nn.Module, device: torch.device) -> Optional[float]:
-    """The model's own optimizer's step over AdamW's (which the calibration times per parameter
-    byte, among ranks sharing the machine) on the same parameter bytes (4 MiB), both timed here
-    side by side: an SGD step costs a fraction of AdamW's. ``None`` when the model configures no
-    single optimizer here (e.g. its scheduler needs the Trainer) or its class cannot be rebuilt
-    from its ``defaults``: the cost model then charges AdamW's rate."""
+def _optimizer_costs(lightning_module: nn.Module, device: torch.device) -> tuple[Optional[float], Optional[float]]:
+    """``(ratio, seconds per tensor)`` of the model's own optimizer (``ModelProfile.optimizer_ratio``
+    and ``optimizer_tensor_s``).
+
+    The ratio: its step over AdamW's (which the calibration times per parameter byte, among ranks
+    sharing the machine) on the same parameter bytes (4 MiB), both timed here side by side: an
+    SGD step costs a fraction of AdamW's. The cost per tensor: its step on ``MANY_TENSORS`` tiny
+    tensors minus its step on ``FEW_TENSORS``, per extra tensor. Each is the median over rounds
+    that time the pair in turn, so a burst of load elsewhere moves one round, not the result.
+    ``(None, None)`` when the model configures no single optimizer here (e.g. its scheduler needs
+    the Trainer) or its class cannot be rebuilt from its ``defaults``: the cost model then
+    charges AdamW's rate and nothing per tensor."""
     configure = getattr(lightning_module, "configure_optimizers", None)
     if not callable(configure):
-        return None
+        return None, None
     try:
         optimizer = _configured_optimizer(configure())
         if optimizer is None:
-            return None
-        own = optimizer_probe(functools.partial(type(optimizer), **_constructor_settings(optimizer)), device)
+            return None, None
+        build = functools.partial(type(optimizer), **_constructor_settings(optimizer))
+        own = optimizer_probe(build, device)
+        many = optimizer_probe(build, device, MANY_TENSORS * TINY_TENSOR_BYTES, MANY_TENSORS)
+        few = optimizer_probe(build, device, FEW_TENSORS * TINY_TENSOR_BYTES, FEW_TENSORS)
     except Exception:  # noqa: BLE001 - anything the user's hook or optimizer needs that a profile lacks
-        return None
+        return None, None
     adamw = optimizer_probe(reference_optimizer, device)
-    # one step of each in turn, the median of their ratios: a burst of load elsewhere moves one
-    # pair, not the result
-    ratios = []
+    ratios, per_tensor = [], []
     for _ in range(OPTIMIZER_PROBE_ROUNDS):
         t_own = _timed(lambda _: own(), lambda: None, 1, device)
         t_adamw = _timed(lambda _: adamw(), lambda: None, 1, device)
         if t_adamw > 0:
             ratios.append(t_own / t_adamw)
-    return statistics.median(ratios) if ratios else None
+        t_many = _timed(lambda _: many(), lambda: None, 1, device)
+        t_few = _timed(lambda _: few(), lambda: None, 1, device)
+        per_tensor.append(max(0.0, t_many - t_few) / (MANY_TENSORS - FEW_TENSORS))
+    return (statistics.median(ratios) if ratios else None), statistics.median(per_tensor)
 
 
 def _model_topology(

@@ -51,9 +51,9 @@ from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, in_lockstep, step_overhead_seconds
-from lightning_mmpp.core.schedule import PhaseCosts, build_schedule
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 from lightning_mmpp.plan.lockstep import LOCKSTEP_SCHEDULES, LockstepTiming, time_lockstep
+from lightning_mmpp.plan.sharing import planned_schedule, shared_step_seconds, shares_cores
 
 __all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
 
@@ -223,6 +223,7 @@ class _Space:
     layer_work: dict[tuple[str, int], tuple[float, ...]] = field(default_factory=dict)
     module_totals: dict[tuple[str, int], float] = field(default_factory=dict)
     smallest_static: float = math.inf  # least static bytes of a shape rejected for memory
+    shares_cores: bool = False  # ranks outnumber their host's cores: plans are re-timed sharing them
 
     def tps(self, module: str) -> tuple[int, ...]:
         """The tp sizes ``module`` may have."""
@@ -836,15 +837,7 @@ class _Evaluator:
         of the action lists that run (not cached: candidates rarely share a collapsed layout and
         ``m``, and a search holds thousands of them)."""
         space = self.space
-        if schedule is ScheduleName.ZERO_BUBBLE:
-            stages = [(cost.stage(n, s), p.virtual_stages) for n, p in cost.placements.items()
-                      for s in range(p.num_stages) if n not in space.no_backward]
-            mean = [max(1e-9, sum(x) / max(1, len(stages))) for x in
-                    zip(*[(c.forward_s * v, c.input_s * v, c.weight_s * v) for c, v in stages])] \
-                if stages else [1.0, 1.0, 1.0]
-            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward, costs=PhaseCosts(*mean))
-        else:
-            built = build_schedule(small, m, schedule, no_backward_modules=space.no_backward)
+        built = planned_schedule(small, m, schedule, cost, space.no_backward)
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
@@ -898,6 +891,9 @@ class _Evaluator:
             finish[r] + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
             for r in range(small.world_size)))
         step += step_overhead_seconds(space.profile, space.world_size, in_lockstep(placements, space.world_size))
+        if space.shares_cores:
+            # never shorter than the step above: the ranks' core parts only slow down
+            step = shared_step_seconds(space.profile, placements, m, schedule, cost, space.no_backward, layout)
         inflight = {}
         weights = []
         held: Mapping[tuple, int] = timing.peak_in_flight
@@ -1106,7 +1102,8 @@ def _make_space(profile: ModelProfile, world_size: int, memory_limit: Optional[f
                   no_backward=topology.no_backward_modules(profile.frozen_modules()),
                   order=topology.order, upstream={m: list(topology.upstream(m)) for m in profile.modules},
                   dp_options=tuple(d for d in _divisors(profile.batch_size) if d <= world_size),
-                  memory_limit=memory_limit, allow_shard=allow_shard)
+                  memory_limit=memory_limit, allow_shard=allow_shard,
+                  shares_cores=shares_cores(profile, world_size))
 
 
 # (lower bound, order, level, structure, microbatches, schedule, (flags, cost model, bound) from level 2)

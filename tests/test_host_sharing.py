@@ -1,0 +1,142 @@
+"""Ranks sharing their host's cores: the processor-sharing clock and the planner's use of it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_mmpp.core.actions import Phase
+from lightning_mmpp.core.host_sharing import Work, simulate_shared
+from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
+from lightning_mmpp.core.schedule import build_schedule
+from lightning_mmpp.core.simulator import DeadlockError, simulate
+from lightning_mmpp.plan import Calibration, plan_placements
+from lightning_mmpp.plan.costs import CostModel
+from lightning_mmpp.plan.sharing import shared_step_seconds, shares_cores
+from tests.test_plan import encoders_and_lm, heterogeneous
+
+TOPOLOGY = {"a": ["c"], "b": ["c"], "c": []}
+
+
+def _dag() -> PipelineLayout:
+    return PipelineLayout({"a": ModulePlacement(rank_offset=0), "b": ModulePlacement(rank_offset=1),
+                           "c": ModulePlacement(pp=2, rank_offset=2)}, TOPOLOGY)
+
+
+def test_with_a_core_per_rank_the_shared_clock_is_the_simulator_clock():
+    layout = _dag()
+
+    def forward(module, stage):
+        return {"a": 1.0, "b": 1.5, "c": 2.0}[module] + 0.25 * stage
+
+    for name in ("1f1b", "gpipe"):
+        schedule = build_schedule(layout, 8, name)
+        reference = simulate(schedule, layout, forward, lambda m, s: 2 * forward(m, s), mode="eager")
+
+        def work(rank, action, stage):
+            seconds = forward(action.module, stage) * (1 if action.phase is Phase.FORWARD else 2)
+            return Work(0.25 * seconds, 0.75 * seconds)
+
+        for cores in (4, 100):
+            timing = simulate_shared(schedule, layout, work, cores=cores, ranks_per_host=4)
+            assert timing.step_time == pytest.approx(reference.step_time)
+        # one core for all four ranks: never less than the core work over one core, nor the step alone
+        busy = sum(0.75 * (end - start) for _, start, end, _ in reference.computes)
+        one = simulate_shared(schedule, layout, work, cores=1, ranks_per_host=4).step_time
+        assert one >= busy - 1e-9 and one > reference.step_time
+        # four hosts of one rank each, one core each: no sharing
+        assert simulate_shared(schedule, layout, work, cores=1, ranks_per_host=1).step_time == \
+            pytest.approx(reference.step_time)
+
+
+def test_ranks_computing_at_once_share_the_cores_syncs_run_beside_and_the_optimizer_after():
+    layout = PipelineLayout({"a": ModulePlacement(dp=4, rank_offset=0)}, {"a": []})
+    schedule = build_schedule(layout, 1, "1f1b")
+    # four ranks, two cores: every forward and backward (1 s of core work) takes 2 s; the sync
+    # waits 0.5 s; the optimizer's core second, again four at once, takes 2 s
+    timing = simulate_shared(schedule, layout, lambda r, a, s: Work(0.0, 1.0), cores=2, ranks_per_host=4,
+                             syncs={(r, "a"): Work(0.5, 0.0) for r in range(4)},
+                             finals={r: Work(0.0, 1.0) for r in range(4)})
+    assert timing.actions_end == (4.0,) * 4 and timing.step_time == pytest.approx(6.5)
+    # a part that waits is never slowed: 1 s of waiting and 1 s of core work, four ranks on two cores
+    waits = simulate_shared(schedule, layout, lambda r, a, s: Work(1.0, 1.0), cores=2, ranks_per_host=4)
+    assert waits.step_time == pytest.approx(2 * (1.0 + 2.0))
+    with pytest.raises(ValueError, match="cores"):
+        simulate_shared(schedule, layout, lambda r, a, s: Work(), cores=0, ranks_per_host=4)
+    dag = _dag()
+    chain = build_schedule(dag, 2, "1f1b")
+    swapped = list(chain.actions)
+    swapped[0] = tuple(reversed(chain.actions[0]))  # rank 0 waits for gradients before sending activations
+    with pytest.raises(DeadlockError):
+        simulate_shared(replace(chain, actions=tuple(swapped)), dag, lambda r, a, s: Work(0.0, 1.0), cores=2,
+                        ranks_per_host=4)
+
+
+def _computing(profile, share: float = 1.0):
+    """``profile`` with every layer keeping a core busy for ``share`` of its time."""
+    for module in profile.modules.values():
+        for layer in module.layers:
+            layer.cpu_share = share
+    return profile
+
+
+def _cal(host_cores: int, world_size: int = 4) -> Calibration:
+    return Calibration(world_size=world_size, action_s=1e-4, message_s=2e-4, step_s=1e-3, p2p_bandwidth=1e9,
+                       allreduce_latency_s=1e-4, allreduce_bandwidth=2e9, optimizer_s_per_byte=1e-10,
+                       host_cores=host_cores)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
+def test_the_planner_re_times_plans_whose_ranks_outnumber_the_cores(schedule):
+    profile = _computing(encoders_and_lm())
+    alone = plan_placements(profile, 4, schedules=[schedule], top_k=6, calibration=_cal(host_cores=4))
+    assert not shares_cores(replace(profile, calibration=_cal(4)), 4)
+    equal_dp = 0
+    for plan in alone:
+        # a core per rank: the shared clock gives the search's own prediction where every module
+        # has one dp (the search times replicas as one; where a module's replicas feed another's
+        # fewer, the lists of the whole layout, which the shared clock times, order a little
+        # differently)
+        cost = CostModel(replace(profile, calibration=_cal(4)), plan.placements, plan.num_microbatches)
+        seconds = shared_step_seconds(replace(profile, calibration=_cal(4)), plan.placements, plan.num_microbatches,
+                                      plan.schedule, cost, frozenset())
+        if len({p.dp for p in plan.placements.values()}) == 1:
+            equal_dp += 1
+            assert seconds == pytest.approx(plan.step_time_s)
+        else:
+            assert seconds == pytest.approx(plan.step_time_s, rel=0.02)
+    assert equal_dp
+    shared_profile = replace(profile, calibration=_cal(host_cores=2))
+    assert shares_cores(shared_profile, 4)
+    shared = plan_placements(profile, 4, schedules=[schedule], top_k=6, calibration=_cal(host_cores=2))
+    before = {(p.describe(), p.num_microbatches): p.step_time_s for p in alone}
+    slower = 0
+    for plan in shared:
+        cost = CostModel(shared_profile, plan.placements, plan.num_microbatches)
+        assert plan.step_time_s == pytest.approx(shared_step_seconds(
+            shared_profile, plan.placements, plan.num_microbatches, plan.schedule, cost, frozenset()))
+        key = (plan.describe(), plan.num_microbatches)
+        if key in before:
+            assert plan.step_time_s >= before[key] - 1e-12
+            slower += plan.step_time_s > before[key] * 1.01
+    assert slower  # two cores for four computing ranks costs some plan time
+
+
+def test_a_pure_dp_plan_of_computing_layers_runs_at_the_cores_share():
+    """Four ranks of pure dp on two cores, layers all core work, no framework costs: the
+    pipeline part of the step doubles exactly; layers that wait (or a host with a core per
+    rank, or an older calibration without the host's cores) leave the prediction as it was."""
+    profile = _computing(heterogeneous())
+    free = Calibration(world_size=4, host_cores=2, optimizer_s_per_byte=0.0, allreduce_bandwidth=float("inf"))
+    pure = {m: ModulePlacement(dp=4, rank_offset=0) for m in profile.modules}
+    shared_profile = replace(profile, calibration=free)
+    cost = CostModel(shared_profile, pure, 1)
+    compute = sum(cost.stage(m, 0).forward_s + cost.stage(m, 0).backward_s for m in pure)
+    assert shared_step_seconds(shared_profile, pure, 1, "1f1b", cost, frozenset()) == pytest.approx(2 * compute)
+    for calibration in (replace(free, host_cores=4), replace(free, host_cores=0)):
+        assert shared_step_seconds(replace(profile, calibration=calibration), pure, 1, "1f1b", cost,
+                                   frozenset()) == pytest.approx(compute)
+    for waiting in (0.0, 0.05):  # layers that wait spend a little CPU on the call: no sharing
+        assert not shares_cores(replace(_computing(heterogeneous(), waiting), calibration=free), 4)
+    assert shares_cores(replace(_computing(heterogeneous(), 0.5), calibration=free), 4)
