@@ -345,12 +345,13 @@ class StageCost:
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # one recomputed layer's activations, one gathered layer
     optimizer_s: float = 0.0  # the optimizer step over this rank's share of the stage's parameters
-    # the parts of forward_s / backward_s / input_s / weight_s that keep a core busy: the
-    # layers' time times their ``cpu_share`` (lightning_mmpp.plan.sharing)
-    forward_cpu_s: float = 0.0
-    backward_cpu_s: float = 0.0
-    input_cpu_s: float = 0.0
-    weight_cpu_s: float = 0.0
+    # the parts of forward_s / backward_s / input_s / weight_s spent waiting rather than on a
+    # core: the layers' time times ``1 - cpu_share`` (the rest, the framework's and the messages'
+    # included, is CPU work where ranks share a host's cores: lightning_mmpp.plan.sharing)
+    forward_wait_s: float = 0.0
+    backward_wait_s: float = 0.0
+    input_wait_s: float = 0.0
+    weight_wait_s: float = 0.0
 
 
 class CostModel:
@@ -490,9 +491,11 @@ class CostModel:
         forward = sum(layer.forward_seconds(scale / layer.split_by(tp)) for layer in layers)
         backward = sum(layer.backward_seconds(scale / layer.split_by(tp)) for layer in layers)
         input_half = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) for layer in layers)
-        forward_cpu = sum(layer.forward_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
-        backward_cpu = sum(layer.backward_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
-        input_cpu = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) * layer.cpu_share for layer in layers)
+        forward_wait = sum(layer.forward_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share) for layer in layers)
+        backward_wait = sum(layer.backward_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share)
+                            for layer in layers)
+        input_wait = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share)
+                         for layer in layers)
         param_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers)
         trainable_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers if layer.trainable)
         # the tp all-reduces of each split layer's output, per forward and as many per backward
@@ -527,16 +530,16 @@ class CostModel:
             optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes,
                                                   tensors) if trains else 0.0
         recomputed = forward if placement.recompute else 0.0
-        recomputed_cpu = forward_cpu if placement.recompute else 0.0
-        weight_cpu = max(0.0, backward_cpu - input_cpu) + recomputed_cpu
-        backward_cpu += recomputed_cpu
-        input_cpu += recomputed_cpu
+        recomputed_wait = forward_wait if placement.recompute else 0.0
+        weight_wait = max(0.0, backward_wait - input_wait) + recomputed_wait
+        backward_wait += recomputed_wait
+        input_wait += recomputed_wait
         backward += recomputed
         input_half += recomputed
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0
-            backward_cpu = input_cpu = weight_cpu = 0.0
+            backward_wait = input_wait = weight_wait = 0.0
         else:
             # zero_bubble: I waits for the output gradient and the gathered weights; W is an
             # autograd call (and, calibrated, an action) of its own: it gathers a sharded layer
@@ -560,7 +563,7 @@ class CostModel:
             activation = sum(layer.activation_bytes_per_sample for layer in layers) * samples
             transient = 0.0
         return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer,
-                         forward_cpu, backward_cpu, input_cpu, weight_cpu)
+                         forward_wait, backward_wait, input_wait, weight_wait)
 
     def stage(self, module: str, stage: int) -> StageCost:
         """The costs of ``(module, stage)``."""

@@ -13,8 +13,11 @@ at least ``COMPUTING_SHARE`` of their time keeps a core busy), the search times 
 with :func:`shared_step_seconds`, which runs :func:`~lightning_mmpp.core.host_sharing.simulate_shared`
 on the action lists of the whole layout:
 
-* each compute's layers' CPU part (time times ``cpu_share``) needs a core; its framework,
-  message and collective parts wait;
+* a compute waits for its layers' time not spent on a core (times ``1 - cpu_share``: a sleep,
+  a device's kernels); all the rest needs a core: the layers' CPU time, and the framework's and
+  the messages' costs, which on a CPU host are Python, autograd and gloo's copies (modelled as
+  waiting, the README example's plans came out 1.32x under their measured step, as a core's
+  work 1.20x);
 * on a CPU device the dp gradient syncs and the optimizer step need a core too, for their
   calibrated time: gloo moves and sums the bytes with the CPU (a 16 MiB all-reduce between two
   processes on a 2-core VM: 16 ms, 12.5 ms of it CPU on each), beside the ranks still
@@ -102,16 +105,16 @@ def shared_step_seconds(profile: ModelProfile, placements: Mapping[str, ModulePl
     world = layout.world_size
     built = planned_schedule(layout, m, schedule, cost, no_backward)
     total = PhaseSeconds(built, layout, cost.forward, cost.backward, cost.input, cost.weight)
-    cpu = PhaseSeconds(built, layout, lambda n, s: cost.stage(n, s).forward_cpu_s,
-                      lambda n, s: cost.stage(n, s).backward_cpu_s, lambda n, s: cost.stage(n, s).input_cpu_s,
-                      lambda n, s: cost.stage(n, s).weight_cpu_s)
+    waits = PhaseSeconds(built, layout, lambda n, s: cost.stage(n, s).forward_wait_s,
+                         lambda n, s: cost.stage(n, s).backward_wait_s, lambda n, s: cost.stage(n, s).input_wait_s,
+                         lambda n, s: cost.stage(n, s).weight_wait_s)
 
     on_cpu = profile.device.startswith("cpu")
 
     def work(rank: int, action: Compute, stage: int) -> Work:
         seconds = total.seconds(rank, action, stage)
-        busy = min(seconds, cpu.seconds(rank, action, stage))
-        return Work(wait_s=seconds - busy, cpu_s=busy)
+        wait = min(seconds, waits.seconds(rank, action, stage))
+        return Work(wait_s=wait, cpu_s=seconds - wait)
 
     cores = float(cal.host_cores) if cal is not None and cal.host_cores > 0 else float(world)
     syncs, finals = {}, {}
