@@ -68,7 +68,7 @@ class _Rank:
     pc: int = 0
     busy: bool = False  # an action's work is running
     actions_end: Optional[float] = None
-    sync_queue: list[tuple[float, Work]] = field(default_factory=list)  # (trigger time, work), in trigger order
+    sync_queue: list[Work] = field(default_factory=list)  # syncs due, in the order their backwards ended
     sync_busy: bool = False
     syncs_left: int = 0
     final_started: bool = False
@@ -81,8 +81,8 @@ def simulate_shared(
     work: Callable[[int, Compute, int], Work],
     cores: float,
     ranks_per_host: int,
-    syncs: Mapping[tuple[int, str], Work] = {},
-    finals: Mapping[int, Work] = {},
+    syncs: Optional[Mapping[tuple[int, str], Work]] = None,
+    finals: Optional[Mapping[int, Work]] = None,
 ) -> SharedTiming:
     """Run ``schedule`` on a shared clock (see the module docstring).
 
@@ -101,6 +101,8 @@ def simulate_shared(
     """
     if cores <= 0 or ranks_per_host < 1:
         raise ValueError(f"simulate_shared needs cores > 0 and ranks_per_host >= 1, got {cores}, {ranks_per_host}")
+    syncs = syncs or {}
+    finals = finals or {}
     world = schedule.world_size
     actions = schedule.actions
     partner = exchange_partners(schedule)
@@ -121,7 +123,7 @@ def simulate_shared(
         state = ranks[rank]
         if state.sync_busy or not state.sync_queue:
             return
-        _trigger, piece = state.sync_queue.pop(0)
+        piece = state.sync_queue.pop(0)
         state.sync_busy = True
 
         def synced(now: float, state: _Rank = state) -> None:
@@ -169,7 +171,7 @@ def simulate_shared(
                 st.busy = False
                 st.pc += 1
                 if last_backward.get((rank, action.module)) == i and (rank, action.module) in syncs:
-                    st.sync_queue.append((t, syncs[(rank, action.module)]))
+                    st.sync_queue.append(syncs[(rank, action.module)])
                     sync_lane(rank)
 
             start(rank, work(rank, action, slot.stage), computed)

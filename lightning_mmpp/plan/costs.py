@@ -93,9 +93,10 @@ class LayerProfile:
     ``cpu_share``: the share of the layer's time that keeps a CPU core busy (its process's CPU
     seconds over its wall seconds, at most 1): about 1 for a layer that computes on the CPU,
     about 0 for one that waits (for a GPU's kernels, or a timer). Where a host runs more ranks
-    than it has cores, that share of each compute is slowed by the ranks computing beside it
-    (:mod:`lightning_mmpp.plan.sharing`). 0 (the default, and a hand-written profile's): the
-    layer never competes for a core.
+    than it has cores and the model's layers compute, everything a compute does but the rest of
+    its layers' time (``1 - cpu_share`` of it, spent waiting) needs a core, and runs slower while
+    more ranks than cores need one (:mod:`lightning_mmpp.plan.sharing`). 0 (the default, and a
+    hand-written profile's): the layer waits.
     """
 
     name: str
