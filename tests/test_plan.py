@@ -544,6 +544,36 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     assert cal.host_cores >= 1
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_measure_steps_trains_plans_after_a_warm_up_fit_and_reports_each_launch():
+    """--validate's measurement: the plans trained through Trainer.fit on local processes, in
+    every launch after one untimed warm-up fit; a median over all the launches' steps and each
+    launch's own median."""
+    import functools
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from models import MultiModalModel, make_loader
+
+    from lightning_mmpp.plan import profile_model
+    from lightning_mmpp.plan.validate import MeasuredStep, measure_runs, measure_steps
+
+    topology = {"enc_a": ["llm"], "enc_b": ["llm"], "llm": []}
+    batch = next(iter(make_loader(topology, 8, 8)))
+    profile = profile_model(MultiModalModel(topology), batch, repeats=1)
+    plans = plan_placements(profile, 2, top_k=2)
+    make = functools.partial(MultiModalModel, topology)
+    measured = measure_steps([(make, batch, plan) for plan in plans], steps=2, launches=2)
+    assert len(measured) == len(plans)
+    for step in measured:
+        assert isinstance(step, MeasuredStep) and len(step.launch_medians_s) == 2
+        low, high = step.spread_s
+        assert 0 < low <= step.median_s <= high
+    assert measure_runs([], steps=2) == []
+    with pytest.raises(PipelineConfigError, match="launches"):
+        measure_runs([(make, batch, plans[0])], launches=0)
+
+
 def test_cli_reads_a_calibration_and_validate_needs_a_model(tmp_path, capsys):
     path, cal_path = tmp_path / "p.json", tmp_path / "cal.json"
     heterogeneous().to_json(path)

@@ -191,8 +191,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     measured = _validate(args, plans[:args.validate]) if args.validate else []
     if args.json:
         data = [p.to_dict() for p in plans]
-        for entry, seconds in zip(data, measured):
-            entry["measured_step_time_s"] = seconds
+        for entry, step in zip(data, measured):
+            entry["measured_step_time_s"] = step.median_s
+            entry["measured_launch_medians_s"] = list(step.launch_medians_s)
         print(json.dumps({"plans": data}, indent=1))
         return 0
     limit = f", memory limit {format_bytes(args.memory_limit)} per rank" if args.memory_limit else ""
@@ -202,9 +203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         launches = args.launches or VALIDATE_LAUNCHES
         print(f"\nmeasured here through Trainer.fit (median of {args.validate_steps} steps x {launches} launches, "
               f"slowest rank):")
-        for i, (plan, seconds) in enumerate(zip(plans, measured)):
-            print(f"#{i + 1}  predicted {plan.step_time_s * 1e3:.1f} ms  measured {seconds * 1e3:.1f} ms  "
-                  f"measured/predicted {seconds / plan.step_time_s:.3f}")
+        for i, (plan, step) in enumerate(zip(plans, measured)):
+            low, high = step.spread_s
+            print(f"#{i + 1}  predicted {plan.step_time_s * 1e3:.1f} ms  measured {step.median_s * 1e3:.1f} ms "
+                  f"(launches {low * 1e3:.1f}-{high * 1e3:.1f})  measured/predicted {step.median_s / plan.step_time_s:.3f}")
     print()
     print("best plan:")
     print(plans[0].snippet())
@@ -237,12 +239,13 @@ def _profile_threads(args: argparse.Namespace) -> Optional[int]:
     return rank_threads(args.world_size)
 
 
-def _validate(args: argparse.Namespace, plans: list[Any]) -> list[float]:
-    """Measured median step of each plan, trained here on the sample batch."""
-    from lightning_mmpp.plan.validate import measure_plans
+def _validate(args: argparse.Namespace, plans: list[Any]) -> list[Any]:
+    """The measured step of each plan (:class:`~lightning_mmpp.plan.validate.MeasuredStep`),
+    trained here on the sample batch."""
+    from lightning_mmpp.plan.validate import measure_steps
 
     cls, batch, _ = load_target(args.target, plans[0].batch_size)
-    return measure_plans(cls, batch, plans, steps=args.validate_steps, device=args.device,
+    return measure_steps([(cls, batch, plan) for plan in plans], steps=args.validate_steps, device=args.device,
                          launches=args.launches or VALIDATE_LAUNCHES)
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["measure_plans", "measure_runs", "timed_fit"]
+__all__ = ["MeasuredStep", "measure_plans", "measure_runs", "measure_steps", "timed_fit"]
 
 WARMUP_STEPS = 2
 WARMUP_FIT_STEPS = 5  # timed steps of the untimed fit that warms a measuring process up
@@ -80,15 +81,28 @@ def _measure_worker(rank: int, world_size: int, runs: list[tuple], steps: int, d
             for make_model, batch, placements, topology, m, schedule in runs]
 
 
-def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
-                 timeout: float = 900.0, launches: int = 1) -> list[float]:
-    """The median measured step (seconds, slowest rank) of each ``(make_model, batch, plan)``,
-    all run one after the other in each of ``launches`` launches of ``plan.world_size``
-    processes (equal for all); the median pools the steps of every launch (a launch on a shared
-    CPU can run a few percent off throughout, see
-    :func:`~lightning_mmpp.plan.calibration.median_samples`). ``make_model()`` builds a fresh
-    LightningModule, trained on ``batch`` (one global batch of ``plan.batch_size`` samples) at
-    every step; ``timeout`` is per launch."""
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A plan's measured step: the median of every launch's timed steps pooled, and each
+    launch's own median (their spread shows how far one launch on this machine can be off)."""
+
+    median_s: float
+    launch_medians_s: tuple[float, ...]
+
+    @property
+    def spread_s(self) -> tuple[float, float]:
+        """The smallest and the largest launch median."""
+        return min(self.launch_medians_s), max(self.launch_medians_s)
+
+
+def measure_steps(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
+                  timeout: float = 900.0, launches: int = 1) -> list[MeasuredStep]:
+    """The measured step (seconds, slowest rank) of each ``(make_model, batch, plan)``, all run
+    one after the other in each of ``launches`` launches of ``plan.world_size`` processes (equal
+    for all); the median pools the steps of every launch (a launch on a shared CPU can run a few
+    percent off throughout, see :func:`~lightning_mmpp.plan.calibration.median_samples`).
+    ``make_model()`` builds a fresh LightningModule, trained on ``batch`` (one global batch of
+    ``plan.batch_size`` samples) at every step; ``timeout`` is per launch."""
     from lightning_mmpp.errors import PipelineConfigError
     from lightning_mmpp.plan.launch import run_local
 
@@ -101,12 +115,20 @@ def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int 
         raise PipelineConfigError(f"measure_runs(launches={launches!r}): give the number of launches, >= 1.")
     world = worlds.pop()
     packed = [(make, batch, p.placements, p.topology, p.num_microbatches, str(p.schedule)) for make, batch, p in runs]
-    pooled: list[list[float]] = [[] for _ in packed]
+    per_launch: list[list[list[float]]] = [[] for _ in packed]
     for _ in range(launches):
-        for times, got in zip(pooled, run_local(_measure_worker, world, packed, steps, device, device=device,
-                                                timeout=timeout)[0]):
-            times.extend(got)
-    return [statistics.median(times) for times in pooled]
+        for times, got in zip(per_launch, run_local(_measure_worker, world, packed, steps, device, device=device,
+                                                    timeout=timeout)[0]):
+            times.append(got)
+    return [MeasuredStep(statistics.median([t for launch in times for t in launch]),
+                         tuple(statistics.median(launch) for launch in times)) for times in per_launch]
+
+
+def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
+                 timeout: float = 900.0, launches: int = 1) -> list[float]:
+    """The median measured step (seconds) of each ``(make_model, batch, plan)``: the medians of
+    :func:`measure_steps`."""
+    return [m.median_s for m in measure_steps(runs, steps, device, timeout, launches)]
 
 
 def measure_plans(make_model: Callable[[], Any], batch: Any, plans: Sequence[Any], steps: int = 5,
