@@ -64,6 +64,13 @@ def test_ranks_computing_at_once_share_the_cores_syncs_run_beside_and_the_optimi
     assert waits.step_time == pytest.approx(2 * (1.0 + 2.0))
     with pytest.raises(ValueError, match="cores"):
         simulate_shared(schedule, layout, lambda r, a, s: Work(), cores=0, ranks_per_host=4)
+    # a piece a tp group of 2 runs in lockstep needs 2 cores: on 2 cores beside one more rank's,
+    # all three run at 2/3 speed
+    two = PipelineLayout({"a": ModulePlacement(dp=2, rank_offset=0)}, {"a": []})
+    pair = build_schedule(two, 1, "1f1b")
+    grouped = simulate_shared(pair, two, lambda r, a, s: Work(0.0, 1.0, ranks=2 if r == 0 else 1), cores=2,
+                              ranks_per_host=2)
+    assert grouped.actions_end == (pytest.approx(3.0), pytest.approx(3.0))
     dag = _dag()
     chain = build_schedule(dag, 2, "1f1b")
     swapped = list(chain.actions)
@@ -141,3 +148,19 @@ def test_a_pure_dp_plan_of_computing_layers_runs_at_the_cores_share():
     for waiting in (0.0, 0.05):  # layers that wait spend a little CPU on the call: no sharing
         assert not shares_cores(replace(_computing(heterogeneous(), waiting), calibration=free), 4)
     assert shares_cores(replace(_computing(heterogeneous(), 0.5), calibration=free), 4)
+
+
+@pytest.mark.parametrize("options", [{"tp_options": (1, 2)}, {"schedules": ["gpipe"]}])
+def test_the_search_on_a_shared_host_prunes_with_a_valid_bound(options):
+    """The shared clock's steps sit far above the per-rank clocks' bounds; the host's core work
+    over its cores bounds them from below (tp groups counted whole), so the pruned search still
+    returns the exhaustive one's best plans."""
+    from lightning_mmpp.plan.sharing import host_bound_seconds
+
+    profile = replace(_computing(encoders_and_lm()), calibration=_cal(host_cores=2))
+    pruned = plan_placements(profile, 4, top_k=3, tolerance=0.0, **options)
+    exhaustive = plan_placements(profile, 4, top_k=3, tolerance=0.0, exhaustive=True, **options)
+    assert [p.step_time_s for p in pruned] == pytest.approx([p.step_time_s for p in exhaustive])
+    for plan in exhaustive:
+        cost = CostModel(profile, plan.placements, plan.num_microbatches)
+        assert 0 < host_bound_seconds(profile, cost, frozenset(), 4) <= plan.step_time_s

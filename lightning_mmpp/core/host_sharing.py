@@ -7,7 +7,8 @@ machine), ranks that compute at the same moment share the cores, and each runs s
 :func:`simulate_shared` times the same action lists with **processor sharing**. Every piece of
 work has a part that waits (for a device, a transfer, a timer: it runs at full speed whatever
 the load) and a part that needs a core; at every moment the core parts active on one host
-progress at ``min(1, cores / active)`` of full speed.
+progress at ``min(1, cores / active)`` of full speed (a piece a tensor-parallel group runs in
+lockstep counts once per rank of the group: only the group's lead has actions).
 
 Besides each rank's action list, a rank runs two more kinds of work:
 
@@ -39,10 +40,12 @@ _EPS = 1e-12
 @dataclass(frozen=True)
 class Work:
     """Seconds of one piece of work at full speed: ``wait_s`` that no other rank slows (it runs
-    first), then ``cpu_s`` that needs a core."""
+    first), then ``cpu_s`` that needs a core on each of ``ranks`` ranks of the host running it in
+    lockstep (a tensor-parallel group: its lead's actions stand for the whole group's)."""
 
     wait_s: float = 0.0
     cpu_s: float = 0.0
+    ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class SharedTiming:
 class _Running:
     wait: float
     cpu: float
+    ranks: int
     host: int
     done: Callable[[float], None]
 
@@ -117,7 +121,8 @@ def simulate_shared(
     clock = 0.0
 
     def start(rank: int, piece: Work, done: Callable[[float], None]) -> None:
-        running.append(_Running(max(0.0, piece.wait_s), max(0.0, piece.cpu_s), rank // ranks_per_host, done))
+        running.append(_Running(max(0.0, piece.wait_s), max(0.0, piece.cpu_s), max(1, piece.ranks),
+                                rank // ranks_per_host, done))
 
     def sync_lane(rank: int) -> None:
         state = ranks[rank]
@@ -190,7 +195,7 @@ def simulate_shared(
         active: dict[int, int] = {}
         for piece in running:
             if piece.wait <= _EPS and piece.cpu > _EPS:
-                active[piece.host] = active.get(piece.host, 0) + 1
+                active[piece.host] = active.get(piece.host, 0) + piece.ranks
         rate = {host: min(1.0, cores / n) for host, n in active.items()}
         step = min(piece.wait if piece.wait > _EPS else piece.cpu / rate[piece.host] if piece.cpu > _EPS else 0.0
                    for piece in running)

@@ -53,7 +53,7 @@ from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
 from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, in_lockstep, step_overhead_seconds
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 from lightning_mmpp.plan.lockstep import LOCKSTEP_SCHEDULES, LockstepTiming, time_lockstep
-from lightning_mmpp.plan.sharing import planned_schedule, shared_step_seconds, shares_cores
+from lightning_mmpp.plan.sharing import host_bound_seconds, planned_schedule, shared_step_seconds, shares_cores
 
 __all__ = ["Plan", "chain_profile", "format_bytes", "plan_placements", "plans_table"]
 
@@ -772,17 +772,26 @@ class _Evaluator:
             placements = _placements(space, structure, flags=flags)
             cost = CostModel(space.profile, placements, m, space.no_backward, memo=self.stage_costs, v_shape=v_shape)
             if space.memory_limit is None:
-                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
+                return flags, cost, self._bound(cost, layout, schedule)
             inflight = {(r, s.module, s.chunk): cost.inflight_bound(layout, s.module, s.stage, schedule)
                         for r in range(layout.world_size) for s in layout.slots(r)}
             peaks = cost.peak_memory(layout, inflight)
             worst = max(range(len(peaks)), key=peaks.__getitem__)
             if peaks[worst] <= space.memory_limit:
-                return flags, cost, _path_bound(cost, layout, schedule, space.no_backward) + self.metrics_s
+                return flags, cost, self._bound(cost, layout, schedule)
             upgraded = self._upgrade(flags, layout, cost, worst)
             if not upgraded:
                 self._note_peak(peaks[worst], placements)
                 return None
+
+    def _bound(self, cost: CostModel, layout: PipelineLayout, schedule: ScheduleName) -> float:
+        """A lower bound of the candidate's step: its critical path, and where ranks share a
+        host's cores, the host's core work over its cores."""
+        bound = _path_bound(cost, layout, schedule, self.space.no_backward)
+        if self.space.shares_cores:
+            bound = max(bound, host_bound_seconds(self.space.profile, cost, self.space.no_backward,
+                                                       self.space.world_size))
+        return bound + self.metrics_s
 
     def collapsed(self, structure: _Structure, v_shape: bool = False) -> PipelineLayout:
         """The structure's layout with every dp 1 (one rank per stage position), chunks V-shaped
