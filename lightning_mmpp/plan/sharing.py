@@ -141,14 +141,14 @@ def shared_step_seconds(profile: ModelProfile, placements: Mapping[str, ModulePl
 
 
 def host_bound_seconds(profile: ModelProfile, cost: CostModel, no_backward: frozenset[str], world_size: int) -> float:
-    """A lower bound of a plan's step on the shared clock, before the per-step cost: the core work
-    of every rank of a ``world_size`` plan over the cores of every host (a host cannot do more core work than its cores,
-    and no host does less than the average). Per step, each rank of a stage runs its ``m``
-    forwards and ``m`` backwards (an ``I`` and ``W`` split does at least the fused backward's
-    core work), and on a CPU device its gradient sync and its optimizer step. The search prunes
-    with it: the per-rank clocks' bounds sit far under a shared step, so without it a search of
-    zero_bubble with virtual stages on 8 CPU ranks simulated 1668 candidates (87 s) instead of
-    a few hundred."""
+    """A lower bound of a ``world_size`` plan's step on the shared clock, before the per-step
+    cost: every rank's core work over every host's cores (a host cannot do more core work than
+    it has cores, and no host does less than the average). Per step, each rank of a stage runs
+    its ``m`` forwards and ``m`` backwards (an ``I`` and ``W`` split does at least the fused
+    backward's core work), and on a CPU device its gradient sync and its optimizer step. The
+    search prunes with it: the per-rank clocks' bounds sit far under a shared step, and without
+    it a search of zero_bubble with virtual stages on 8 CPU ranks simulated 1668 candidates in
+    87 s (0.7 s with it)."""
     cal = profile.calibration
     if cal is None or cal.host_cores <= 0:
         return 0.0
