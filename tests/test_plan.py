@@ -382,7 +382,10 @@ def test_fit_calibration_recovers_known_constants(layer):
         samples["fsdp_pairs"] = [(4096, 1.2e-3 + 0.6e-3 + 0.5 * 4096 / bw, 2e-3 + 1e-3 + 0.5 * 4096 / bw)]
         # the all-reduce: 0.3 ms per call + 0.15 ms per ring step (6 steps over 4 ranks: 1.2 ms, as above)
         samples["allreduce_pairs"] = [(256, 3e-4 + 2 * 1.5e-4 + 256 / bw)]
+        # the pure-dp run at 2 microbatches again, logging 8 more metrics at 0.4 ms each
+        samples["framework"]["metrics"] = [(8, samples["framework"]["dp"][0][1] + 8 * 0.4e-3)]
     cal = fit_calibration(world, "cpu", samples)
+    assert cal.metric_s == (pytest.approx(0.4e-3) if layer else 0.0)
     assert cal.p2p_latency_s == pytest.approx(lat, rel=0.01) and cal.p2p_bandwidth == pytest.approx(bw, rel=1e-6)
     assert cal.allreduce_bandwidth == pytest.approx(bw)
     if layer:
@@ -471,6 +474,39 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
         trainable = [layer for i, layer in enumerate(profile.modules[module].layers)
                      if i in per_tensor.ranges(module)[stage] and layer.trainable]
         assert per_tensor._stages[(module, stage)].optimizer_s == pytest.approx(cost.optimizer_s + 2e-3 * len(trainable))
+
+
+def test_each_logged_metric_beyond_the_loss_costs_the_calibrated_metric_cost():
+    """profile_model counts what pipeline_loss returns (the token count of a per-token loss is
+    not logged); every metric beyond the loss adds the calibration's metric_s to a step."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpp.plan import profile_model
+    from lightning_mmpp.plan.costs import step_overhead_seconds
+
+    class Model(nn.Module):
+        def __init__(self, returns):
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+            self.returns = returns
+
+        def pipeline_inputs(self, module, batch, upstream):
+            return batch
+
+        def pipeline_loss(self, module, output, batch):
+            return self.returns(output)
+
+    counted = [profile_model(Model(returns), torch.zeros(4, 4), repeats=1, topology={"net": []}).metrics
+               for returns in (lambda y: y.mean(), lambda y: {"loss": y.mean(), "accuracy": y.mean(), "rms": y.std()},
+                               lambda y: {"loss_sum": y.sum(), "num_tokens": torch.tensor(16)},
+                               lambda y: 1 / 0)]  # a hook that cannot run here: the loss alone
+    assert counted == [1, 3, 1, 1]
+    profile = replace_calibration(heterogeneous(), _calibration(metric_s=0.5e-3))
+    base = step_overhead_seconds(profile, 4, True)
+    profile.metrics = 3
+    assert step_overhead_seconds(profile, 4, True) == pytest.approx(base + 2 * 0.5e-3)
+    assert ModelProfile.from_json(profile.to_json()).metrics == 3
 
 
 def test_a_pipelined_plan_pays_the_pipelined_step_cost_and_pure_dp_the_lockstep_one():

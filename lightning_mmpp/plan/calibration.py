@@ -24,6 +24,8 @@ the profiled layer times:
   once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
   shard, when sharded);
+* ``metric_s`` per logged metric and step beyond the loss (the framework model logs one; a
+  model whose ``pipeline_loss`` returns more pays this for each: ``ModelProfile.metrics``);
 * ``host_cores``: the cores of the host the ``world_size`` ranks ran on (0 on an accelerator,
   whose layers do not run on them, and in older calibrations). Where ranks outnumber them, ranks
   that compute at once share the cores (:mod:`lightning_mmpp.plan.sharing`).
@@ -140,6 +142,7 @@ class Calibration:
     allreduce_call_s: float = 0.0
     pipeline_step_s: Optional[float] = None  # None (older calibrations): step_s
     host_cores: int = 0  # 0 (an accelerator, older calibrations): ranks are not taken to share cores
+    metric_s: float = 0.0  # per logged metric and step beyond the loss; 0 in older calibrations
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -226,7 +229,8 @@ class Calibration:
         return "\n".join([
             f"calibration: {self.world_size} ranks on {self.device}",
             f"  per compute action {self.action_s * 1e3:.3f} ms, per received message {self.message_s * 1e3:.3f} ms, "
-            f"per step {self.step_s * 1e3:.2f} ms (pipelined: {self.step_seconds(False) * 1e3:.2f} ms)",
+            f"per step {self.step_s * 1e3:.2f} ms (pipelined: {self.step_seconds(False) * 1e3:.2f} ms), "
+            f"per logged metric {self.metric_s * 1e3:.3f} ms",
             f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
             f"  all-reduce: {self.allreduce_call_s * 1e3:.3f} ms per call + {self.allreduce_latency_s * 1e3:.3f} ms "
             f"per ring step, {bw(self.allreduce_bandwidth)}",

@@ -189,6 +189,9 @@ class ModelProfile:
         optimizer_tensor_s: the model's own optimizer's fixed cost per parameter tensor it steps
             (:func:`~lightning_mmpp.plan.profile_model` times it on tiny tensors), charged per
             :attr:`LayerProfile.param_tensors` beside the rate per byte. ``None``: 0.
+        metrics: the metrics a step logs (what the loss modules' ``pipeline_loss`` returns, the
+            loss included; :func:`~lightning_mmpp.plan.profile_model` counts them): each beyond
+            the loss costs the calibration's ``metric_s`` per step.
     """
 
     modules: dict[str, ModuleProfile]
@@ -203,6 +206,7 @@ class ModelProfile:
     calibration: Optional[Calibration] = None
     optimizer_ratio: Optional[float] = None
     optimizer_tensor_s: Optional[float] = None
+    metrics: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -320,10 +324,12 @@ def metrics_seconds(profile: "ModelProfile", world_size: int) -> float:
 def step_overhead_seconds(profile: "ModelProfile", world_size: int, lockstep: bool = True) -> float:
     """What a step costs beyond its stages and gradient sums: the calibrated per-step cost
     (loop, optimizer's fixed cost, metrics all-reduce) when the profile has a calibration, of a
-    layout whose ranks run in ``lockstep`` (see :func:`in_lockstep`) or of a pipelined one; the
+    layout whose ranks run in ``lockstep`` (see :func:`in_lockstep`) or of a pipelined one, plus
+    the calibrated cost of each logged metric beyond the loss (``ModelProfile.metrics``); the
     metrics all-reduce alone otherwise."""
     if profile.calibration is not None:
-        return profile.calibration.step_seconds(lockstep)
+        extra = max(0, profile.metrics - 1)  # the calibration's model logs its loss
+        return profile.calibration.step_seconds(lockstep) + extra * profile.calibration.metric_s
     return metrics_seconds(profile, world_size)
 
 

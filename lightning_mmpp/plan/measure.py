@@ -56,6 +56,10 @@ OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 DP_MICROBATCHES = (2, 32)
 CHAIN_MICROBATCHES_PER_STAGE = (1, 8)  # a chain of pp stages runs pp and 8 pp microbatches
 FRAMEWORK_ROUNDS = 3
+# metrics the framework model logs in its metrics run, beside its loss: the cost of a logged
+# metric per step (a LightningModule.log call, its share of the metrics all-reduce) is the
+# difference from the same run logging the loss alone, over these
+EXTRA_METRICS = 8
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 32  # width of the framework runs' activations (small: their transfers are latency only)
@@ -103,15 +107,19 @@ class _FrameworkModel(L.LightningModule):
 
     pipeline_topology = {"net": []}
 
-    def __init__(self, layers: int, width: int) -> None:
+    def __init__(self, layers: int, width: int, extra_metrics: int = 0) -> None:
         super().__init__()
         self.net = nn.Sequential(*[_Scale(width) for _ in range(layers)])
+        self.extra_metrics = extra_metrics
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
         return batch
 
-    def pipeline_loss(self, module: str, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return output.square().mean()
+    def pipeline_loss(self, module: str, output: torch.Tensor, batch: Any) -> Any:
+        loss = output.square().mean()
+        if not self.extra_metrics:
+            return loss
+        return {"loss": loss, **{f"metric_{i}": loss.detach() for i in range(self.extra_metrics)}}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-6)
@@ -230,7 +238,17 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
                 model = _FrameworkModel(layers, width)
                 times.setdefault((name, m), []).extend(timed_fit(
                     model, {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch, steps, device))
-    return {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
+    timed = {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
+    # the pure-dp run at its fewer microbatches again, logging EXTRA_METRICS more metrics: what each costs per step
+    placement, layers, counts = runs["dp"]
+    extra: list[float] = []
+    for _ in range(FRAMEWORK_ROUNDS):
+        torch.manual_seed(0)
+        batch = torch.randn(counts[0] * placement.dp * 2, width)
+        extra.extend(timed_fit(_FrameworkModel(layers, width, EXTRA_METRICS), {"net": placement},
+                               _FrameworkModel.pipeline_topology, counts[0], "1f1b", batch, steps, device))
+    timed["metrics"] = [(EXTRA_METRICS, statistics.median(extra))]
+    return timed
 
 
 def _layer(device: str, width: int) -> list[float]:
@@ -299,6 +317,9 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_step_s", step)
             setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
+    if "metrics" in samples["framework"]:
+        (extra, t_extra), = samples["framework"]["metrics"]
+        cal.metric_s = max(0.0, (t_extra - samples["framework"]["dp"][0][1]) / extra)
     cal.host_cores = int(samples.get("host_cores", 0))
     # one layer's forward + backward as a profile measures it (older samples: its known wait)
     layer = samples.get("layer", (FORWARD_S, BACKWARD_S))

@@ -32,9 +32,11 @@ import torch
 from torch import nn
 
 from lightning_mmpp import torch_api as pytree
+from lightning_mmpp.engine.runtime import TOKEN_COUNT
 from lightning_mmpp.engine.tensor_parallel import HOOK as TP_HOOK
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
+from lightning_mmpp.model.hooks import pipeline_loss_caller
 from lightning_mmpp.model.ragged import run_ragged
 from lightning_mmpp.model.partition import _layer_container, named_layers
 from lightning_mmpp.plan.calibration import Calibration
@@ -209,6 +211,22 @@ def _cpu_share(wall: float, cpu: float) -> float:
     return min(1.0, max(0.0, cpu / wall)) if wall > 0 else 0.0
 
 
+def _logged_metrics(lightning_module: nn.Module, topo: ModuleTopology, outputs: Mapping[str, Any], batch: Any) -> int:
+    """The metrics a training step logs: the keys of what ``pipeline_loss`` returns for every
+    sink (a bare tensor is the loss alone; the token count of a per-token loss is not logged).
+    1 when the hook cannot run here."""
+    try:
+        loss = pipeline_loss_caller(lightning_module)
+        with torch.no_grad():
+            results = [loss(m, outputs[m], batch) for m in topo.order if not topo.downstream(m)]
+    except Exception:  # noqa: BLE001 - a hook that needs the Trainer or the step's state
+        return 1
+    names: set[str] = set()
+    for result in results:
+        names.update(k for k in result if k != TOKEN_COUNT) if isinstance(result, Mapping) else names.add("loss")
+    return max(1, len(names))
+
+
 def _materialise_layer(layer: nn.Module, device: torch.device, seed: int) -> None:
     """Give a meta-built layer real tensors; values only need to be plausible for timing."""
     try:
@@ -306,6 +324,7 @@ def profile_model(
     optimizer_ratio, optimizer_tensor_s = _optimizer_costs(lightning_module, device)
     return ModelProfile(
         optimizer_ratio=optimizer_ratio, optimizer_tensor_s=optimizer_tensor_s,
+        metrics=_logged_metrics(lightning_module, topo, outputs, batch),
         modules=ordered, topology={m: list(d) for m, d in topology.items()}, profile_batch_size=samples,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s or default_bw,
         latency_s=default_latency if latency_s is None else latency_s, device=str(device), calibration=calibration,
