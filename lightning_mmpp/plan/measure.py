@@ -220,34 +220,31 @@ def _optimizer(device: torch.device) -> list[tuple[int, float]]:
 
 def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:
     """Median step seconds through ``Trainer.fit`` per microbatch count: ``dp`` (one stage, dp =
-    world, 2 layers) and ``chain`` (pp = world, one layer per stage). The counts alternate over
-    ``FRAMEWORK_ROUNDS`` rounds and each median pools the rounds' steps, so a burst of load from
-    elsewhere weighs on both counts alike instead of on one fit."""
+    world, 2 layers) and ``chain`` (pp = world, one layer per stage); and ``metrics``, the ``dp``
+    run at its fewer microbatches logging ``EXTRA_METRICS`` more metrics, keyed by that number.
+    The runs alternate over ``FRAMEWORK_ROUNDS`` rounds and each median pools the rounds' steps,
+    so a burst of load from elsewhere weighs on every run alike instead of on one fit."""
     from lightning_mmpp.plan.validate import timed_fit
 
-    runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES)}
+    # name: (placement, layers, microbatch counts, metrics beyond the loss)
+    runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES, 0),
+            "metrics": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES[:1], EXTRA_METRICS)}
     if world > 1:
-        runs["chain"] = (ModulePlacement(pp=world, dp=1), world, tuple(c * world for c in CHAIN_MICROBATCHES_PER_STAGE))
+        runs["chain"] = (ModulePlacement(pp=world, dp=1), world, tuple(c * world for c in CHAIN_MICROBATCHES_PER_STAGE),
+                         0)
     width = _width(world)
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(FRAMEWORK_ROUNDS):
-        for name, (placement, layers, counts) in runs.items():
+        for name, (placement, layers, counts, extra) in runs.items():
             for m in counts:
                 torch.manual_seed(0)
                 batch = torch.randn(m * placement.dp * 2, width)
-                model = _FrameworkModel(layers, width)
+                model = _FrameworkModel(layers, width, extra)
                 times.setdefault((name, m), []).extend(timed_fit(
                     model, {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch, steps, device))
-    timed = {name: [(m, statistics.median(times[(name, m)])) for m in counts] for name, (_, _, counts) in runs.items()}
-    # the pure-dp run at its fewer microbatches again, logging EXTRA_METRICS more metrics: what each costs per step
-    placement, layers, counts = runs["dp"]
-    extra: list[float] = []
-    for _ in range(FRAMEWORK_ROUNDS):
-        torch.manual_seed(0)
-        batch = torch.randn(counts[0] * placement.dp * 2, width)
-        extra.extend(timed_fit(_FrameworkModel(layers, width, EXTRA_METRICS), {"net": placement},
-                               _FrameworkModel.pipeline_topology, counts[0], "1f1b", batch, steps, device))
-    timed["metrics"] = [(EXTRA_METRICS, statistics.median(extra))]
+    timed = {name: [(m, statistics.median(times[(name, m)])) for m in counts]
+             for name, (_, _, counts, _) in runs.items()}
+    timed["metrics"] = [(EXTRA_METRICS, t) for _, t in timed["metrics"]]
     return timed
 
 

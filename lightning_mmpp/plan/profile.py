@@ -223,7 +223,10 @@ def _logged_metrics(lightning_module: nn.Module, topo: ModuleTopology, outputs: 
         return 1
     names: set[str] = set()
     for result in results:
-        names.update(k for k in result if k != TOKEN_COUNT) if isinstance(result, Mapping) else names.add("loss")
+        if isinstance(result, Mapping):
+            names.update(k for k in result if k != TOKEN_COUNT)
+        else:
+            names.add("loss")
     return max(1, len(names))
 
 

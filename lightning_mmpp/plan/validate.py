@@ -2,7 +2,8 @@
 
 :func:`measure_plans` starts ``world_size`` local processes (:func:`~lightning_mmpp.plan.launch.run_local`)
 and, in them, after one untimed warm-up fit of the first plan, trains a fresh model under each
-plan for ``warmup + steps`` steps on one sample batch, with ``MultiModulePipelineStrategy(plan.placements, ...)``; a step is timed from
+plan for ``warmup + steps`` steps on one sample batch, with
+``MultiModulePipelineStrategy(plan.placements, ...)``; a step is timed from
 ``on_train_batch_start`` (after a barrier, so every rank starts together) to
 ``on_train_batch_end`` on the slowest rank, which is what the planner predicts: the pipeline,
 the gradient sums, the optimizer step and the metrics reduction, without data loading.
