@@ -245,4 +245,4 @@ def test_a_planned_virtual_layout_trains_as_one_process(schedules):
     reference = _reference(topology, top.batch_size, "adam", 0.05)
     per_rank = run_distributed(_pipelined, top.world_size, topology, top.placements, top.num_microbatches,
                                top.batch_size, "adam", 0.05, (top.schedule,), timeout=360, init_pg=False)
-    _check(per_rank, reference, (top.schedule,))
+    _check(per_rank, reference, (top.schedule,), adam=True)

@@ -9,6 +9,7 @@ import torch
 from lightning_mmpp import ModulePlacement, MultiModulePipelineStrategy, materialize
 from lightning_mmpp.model.partition import find_tied_parameters
 from lightning_mmpp.core.placement import PipelineLayout
+from tests.compare import assert_close_after_adam
 from tests.dist import run_distributed
 from tests.models import MultiModalModel, make_loader
 from tests.test_materialize import MetaBuiltModel
@@ -120,7 +121,10 @@ def test_tied_weights_train_like_one_process(case):
     for start, end in per_rank:
         for name, value in start.items():
             assert torch.equal(value, initial[name]), f"initial {name}"
-            torch.testing.assert_close(end[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
+            if optimizer == "adam":
+                assert_close_after_adam(end[name], final[name], name)
+            else:
+                torch.testing.assert_close(end[name], final[name], rtol=1e-5, atol=1e-6, msg=name)
             held.add(name)
         if all(n in end for n in TIED):  # a rank holding both ends holds one parameter
             assert torch.equal(end[TIED[0]], end[TIED[1]])
@@ -170,9 +174,9 @@ def test_tied_weights_resume_and_export(tmp_path):
     L.Trainer(**_kwargs(1)).fit(reference, make_loader(ONE_ENC, 8, 16))  # 2 batches an epoch, 3 steps
     final = _all_params(reference)
     per_rank = run_distributed(_save_resume, 3, str(tmp_path), timeout=200, init_pg=False)
-    for end in per_rank:
+    for end in per_rank:  # Adam: within 1e-5 relative to the norm (tests/compare.py says why)
         for name, value in end.items():
-            torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=name)
+            assert_close_after_adam(value, final[name], name)
     export_checkpoint(tmp_path / "tied.ckpt", tmp_path / "one.ckpt")
     loaded = TiedModel.load_from_checkpoint(tmp_path / "one.ckpt", topology=ONE_ENC, weights_only=False)
     assert loaded.llm[4].out.weight is loaded.llm[0].emb.weight
@@ -246,8 +250,7 @@ def test_sharded_tied_embedding_lm_with_per_token_loss_trains_like_one_process()
         for run, (start, end) in runs.items():
             for name, value in start.items():
                 assert torch.equal(value, initial[name]), f"{run}: initial {name} on rank {rank}"
-                error = float((end[name] - final[name]).norm() / final[name].norm())
-                assert error <= 1e-5, f"{run}: {name} on rank {rank}: relative error {error:.2e}"
+                assert_close_after_adam(end[name], final[name], f"{run}: {name} on rank {rank}")
     for run in per_rank[0]:
         ends = [runs[run][1][n] for runs in per_rank for n in TIED if n in runs[run][1]]
         assert len(ends) == 4 and all(torch.equal(ends[0], e) for e in ends), run
