@@ -33,12 +33,16 @@ def _replicas_built_apart(rank: int, world: int) -> dict:
         setattr(owner, name, record)
     out = engine.step(batch, agreement=[float(rank == 3), 2.0])  # summed in the metric all-reduce
     optimizer.step()
-    evaluated = engine.step(batch, "val")
+    calls: list[str] = []  # a callable agreement is read after this rank's pipeline
+    run_pipeline = engine.run_pipeline
+    engine.run_pipeline = lambda *a, **k: calls.append("pipeline") or run_pipeline(*a, **k)
+    evaluated = engine.step(batch, "val", agreement=lambda: calls.append("agreement") or [float(rank)])
+    engine.run_pipeline = run_pipeline
     predicted = engine.step(batch, StepKind.PREDICT)
     final = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n in initial}
     engine.close()
     return {"initial": initial, "final": final, "loss": float(out.loss), "val": float(evaluated.loss),
-            "agreement": (out.agreement, evaluated.agreement), "order": order,
+            "agreement": (out.agreement, evaluated.agreement), "order": order, "calls": calls,
             "predicted": None if predicted.predictions is None else tuple(predicted.predictions.shape)}
 
 
@@ -55,7 +59,8 @@ def test_dp_replicas_start_equal_and_every_step_kind_runs():
                 assert torch.equal(per_rank[rank]["final"][name], per_rank[first]["final"][name]), (rank, name)
     assert len({r["loss"] for r in per_rank}) == 1 and len({r["val"] for r in per_rank}) == 1
     assert {r["predicted"] for r in per_rank} == {(8, 3, 11)}  # the sink output of the whole batch, everywhere
-    assert [r["agreement"] for r in per_rank] == [((1.0, 12.0), None)] * 6  # summed over the world; none passed
+    assert [r["agreement"] for r in per_rank] == [((1.0, 12.0), (15.0,))] * 6  # summed over the world
+    assert [r["calls"] for r in per_rank] == [["pipeline", "agreement"]] * 6
     # train step: metrics launched, dp sums waited for, metrics read; then val and predict (no dp sums)
     assert all(r["order"][:3] == ["start", "synchronize", "finish"] for r in per_rank)
 

@@ -36,6 +36,8 @@ from lightning_mmpp.lightning.lightning_api import (
     init_process_group,
     install_pipeline_optimization,
     reduce_tensor,
+    replace_sigterm_broadcast,
+    restore_sigterm_broadcast,
     route_signal_handlers,
     update_dataloader,
 )
@@ -193,6 +195,25 @@ def test_route_signal_handlers_replaces_the_connectors_functions():
         pass
 
     assert route_signal_handlers(NoConnector(), handler) is False
+
+
+def test_replace_sigterm_broadcast_takes_the_training_loops_collective_out():
+    """The training loop broadcasts rank 0's SIGTERM flag through ``_broadcast_sigterm_tensor``,
+    called from ``advance`` before every batch; ``replace_sigterm_broadcast`` swaps that call for
+    ours on this trainer's loop only. If this fails, every pipelined training step pays a
+    collective every rank enters at once (and a rank-0-only flag) again."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer, other = _trainer(), _trainer()
+    calls = []
+    replace_sigterm_broadcast(trainer, lambda: calls.append("check"))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == ["check"]
+    assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
+    restore_sigterm_broadcast(trainer)
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is _TrainingEpochLoop._broadcast_sigterm_tensor
 
 
 class _Loader(DataLoader):

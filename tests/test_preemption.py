@@ -53,6 +53,30 @@ class Hang(L.Callback):
             threading.Event().wait()
 
 
+class CountBroadcasts(L.Callback):
+    """Counts ``torch.distributed.broadcast`` calls between the first and the last training batch
+    (Lightning's loop broadcasts rank 0's SIGTERM flag before each batch unless the strategy's
+    preemption handler took that collective out)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._original is None:
+            self._original = torch.distributed.broadcast
+
+            def counted(*args, **kwargs):
+                self.calls += 1
+                return self._original(*args, **kwargs)
+
+            torch.distributed.broadcast = counted
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._original is not None:
+            torch.distributed.broadcast, self._original = self._original, None
+
+
 def _trainer(world: int, callbacks: list, checkpoint: str | None = None, **kwargs) -> L.Trainer:
     strategy = MultiModulePipelineStrategy(PLACEMENTS, TOPOLOGY, num_microbatches=2, preemption_checkpoint=checkpoint,
                                            timeout=timedelta(seconds=300))
@@ -87,8 +111,9 @@ def _preempt_several_times(rank: int, world: int, root: Path) -> dict:
     trainer = _trainer(world, [], max_steps=out["group"][1] + 2)
     trainer.fit(resumed, _loader(), ckpt_path=str(root / "group.ckpt"))
     out["resumed_to"] = trainer.global_step
-    straight = MultiModalModel(TOPOLOGY)
-    _trainer(world, [], max_steps=out["group"][1] + 2).fit(straight, _loader())
+    straight, broadcasts = MultiModalModel(TOPOLOGY), CountBroadcasts()
+    _trainer(world, [broadcasts], max_steps=out["group"][1] + 2).fit(straight, _loader())
+    out["broadcasts"] = broadcasts.calls
     out["resumed_params"], out["straight_params"] = _params(resumed), _params(straight)
     return out
 
@@ -116,6 +141,7 @@ def test_sigterm_to_the_group_or_one_rank_stops_every_rank_at_the_same_step(tmp_
                                f"before step {step}" + (f"; checkpoint saved to {tmp_path / 'group.ckpt'}"
                                                          if name == "group" else "")
                                + "; exiting with status 143"), (name, rank, message)
+    assert [result["broadcasts"] for result in per_rank] == [0] * 3  # no per-batch SIGTERM broadcast
     group_step = per_rank[0]["group"][1]
     assert (tmp_path / "group.ckpt").is_dir()
     assert [result["resumed_to"] for result in per_rank] == [group_step + 2] * 3
@@ -138,12 +164,18 @@ def _hung_rank(rank: int, world: int, root: Path, targets: list[int]) -> str:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_sigterm_ends_every_rank_when_a_rank_is_stuck_mid_step(tmp_path):
-    """Rank 1 hangs at the start of step 2; SIGTERM to every rank: no step boundary comes, so each rank's
-    watcher ends it (status 143) after its grace period, well within the process-group timeout."""
+    """Rank 1 hangs at the start of step 2; SIGTERM to every rank: no step boundary comes, so the
+    watchers end the ranks (status 143) after their grace period, well within the process-group
+    timeout. The watchers expire within moments of each other: a rank whose peer's watcher ended
+    that peer first fails at once instead, naming the peer and why it left."""
     results = run_distributed(_hung_rank, 3, tmp_path, [0, 1, 2], timeout=90, init_pg=False,
                               allow_failures=True, failure_grace=30)
+    assert isinstance(results[1], RankFailure) and "code 143" in results[1], results[1]  # the hung rank
     for rank, result in enumerate(results):
-        assert isinstance(result, RankFailure) and "code 143" in result, (rank, result)
+        ended_by_its_watcher = isinstance(result, RankFailure) and "code 143" in result
+        named_a_preempted_peer = result.startswith("PipelineError: rank ") and (
+            "received SIGTERM and left mid-step (no step boundary within" in result)
+        assert ended_by_its_watcher or named_a_preempted_peer, (rank, result)
 
 
 @pytest.mark.distributed
@@ -186,3 +218,23 @@ def test_the_agreement_a_step_carried_is_used_at_the_next_boundary_without_a_col
     assert handler.agree(3, 1, torch.device("cpu")) == {}
     with pytest.raises((RuntimeError, ValueError), match="process group"):  # nothing carried: it must meet the others
         handler.agree(3, 1, torch.device("cpu"))
+
+
+def test_a_trainer_flag_joins_the_agreement_in_place_of_lightnings_broadcast():
+    """Installed for a Trainer, the handler replaces the loop's per-batch SIGTERM broadcast: a
+    SIGTERM Lightning recorded itself joins this rank's contribution; uninstalling restores it."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loop = trainer.fit_loop.epoch_loop
+    handler = PreemptionHandler([signal.SIGUSR2])
+    assert handler.install(trainer)
+    try:
+        loop._broadcast_sigterm_tensor()  # what the loop runs before each batch: no collective
+        assert handler.contribution(2, 1) == [0.0, 0.0]
+        trainer._signal_connector.received_sigterm = True
+        loop._broadcast_sigterm_tensor()
+        assert handler.contribution(2, 1) == [0.0, float(signal.SIGTERM)]
+        handler.resolved()
+    finally:
+        handler.uninstall()
+    assert "_broadcast_sigterm_tensor" not in vars(loop)

@@ -455,7 +455,7 @@ class PipelineEngine:
     # --- one step ----------------------------------------------------------------------------
 
     def step(self, batch: Any, kind: StepKind | str = StepKind.TRAIN, *, step_index: Optional[int] = None,
-             agreement: Optional[Sequence[float]] = None) -> StepOutput:
+             agreement: Optional[Sequence[float] | Callable[[], Sequence[float]]] = None) -> StepOutput:
         """Run one pipelined step on the global ``batch`` (the same on every rank) and return its
         reduced loss and metrics (or, for ``"predict"``, the sink outputs), identical on every rank.
 
@@ -467,7 +467,9 @@ class PipelineEngine:
         the world in the step's metric all-reduce (float32) and returned as
         :attr:`StepOutput.agreement`: a caller agrees on something per step (the Lightning
         strategy: whether any rank was sent a preemption signal) without a collective of its own.
-        Not for predict steps, which reduce no metrics.
+        A callable is called when the metric all-reduce starts, after this rank's part of the
+        pipeline, so the values are as late as the step can carry them. Not for predict steps,
+        which reduce no metrics.
         """
         kind = StepKind.parse(kind)
         result = self.run_pipeline(batch, kind, step_index=step_index)
@@ -477,8 +479,9 @@ class PipelineEngine:
             return output
         # the metric all-reduce (default group) is launched first and waited for last: it runs
         # beside the dp gradient sums (their own groups) instead of after them
+        contributed = agreement() if callable(agreement) else agreement
         with self._collectives():
-            pending = self.metrics.start(self._local_metrics(result), kind, agreement or ())
+            pending = self.metrics.start(self._local_metrics(result), kind, contributed or ())
         if kind is StepKind.TRAIN:
             with self.tracer.span("dp_allreduce", "dp"), self._collectives():
                 self.gradients.synchronize()

@@ -22,6 +22,10 @@ traffic, so the broadcast never matches and every rank waits for the process-gro
   cores, against 0.6 ms for the metric all-reduce the last rank to finish enters alone). The
   price: a signal that arrives after a step's metric all-reduce (during its optimizer step and
   callbacks) is acted on one step later;
+* Lightning's training loop broadcasts rank 0's SIGTERM flag before every batch, a collective
+  every rank enters at once; with the handler installed for a Trainer that broadcast is
+  replaced by :meth:`PreemptionHandler.fold_trainer_flag` (Lightning's flag joins this rank's
+  contribution), since the metric all-reduce already carries every rank's signal;
 * if the main thread does not reach a boundary within ``grace_s`` plus twice the duration of the
   last step (stuck in a transfer with a rank that will never answer, a long validation), the
   watcher publishes the reason to the process group's store (see
@@ -42,7 +46,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from lightning_mmpp.engine.failures import FailureKind
-from lightning_mmpp.lightning.lightning_api import cluster_environment_of, route_signal_handlers
+from lightning_mmpp.lightning.lightning_api import (
+    cluster_environment_of,
+    replace_sigterm_broadcast,
+    restore_sigterm_broadcast,
+    route_signal_handlers,
+)
 
 __all__ = ["Preempted", "PreemptionHandler", "install_preemption", "preemption_signals"]
 
@@ -106,6 +115,7 @@ class PreemptionHandler:
         self._old_wakeup_fd: Optional[int] = None
         self._thread: Optional[threading.Thread] = None
         self._previous: dict[int, Any] = {}
+        self._trainer: Any = None
 
     # --- installing -----------------------------------------------------------------------
 
@@ -115,7 +125,8 @@ class PreemptionHandler:
         With a ``trainer``, Lightning's SIGTERM notifier and SLURM requeue handler are replaced
         by :meth:`record` (Lightning registers its handlers after the strategy's setup and
         composes them with any handler already installed, so replacing them is the only way
-        to keep its collective out of the signal handler); otherwise the handlers are set here.
+        to keep its collective out of the signal handler), and the training loop's per-batch
+        SIGTERM broadcast by :meth:`fold_trainer_flag`; otherwise the handlers are set here.
         """
         if threading.current_thread() is not threading.main_thread() or self._fds is not None:
             return False
@@ -125,6 +136,8 @@ class PreemptionHandler:
         self._carried = None
         if trainer is not None:
             route_signal_handlers(trainer, self.record)
+            replace_sigterm_broadcast(trainer, lambda: self.fold_trainer_flag(trainer))
+            self._trainer = trainer
         for signum in self.signals:  # effective now; Lightning re-registers the same function later
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self.record)
@@ -145,6 +158,9 @@ class PreemptionHandler:
             if signal.getsignal(signum) == self.record and handler is not None:
                 signal.signal(signum, handler)
         self._previous = {}
+        if self._trainer is not None:
+            restore_sigterm_broadcast(self._trainer)
+            self._trainer = None
         read_fd, write_fd = self._fds
         self._fds = None
         self._resolved.set()
@@ -159,6 +175,12 @@ class PreemptionHandler:
         """The signal handler: remember the first signal, nothing else."""
         if self.requested is None:
             self.requested = int(signum)
+
+    def fold_trainer_flag(self, trainer: Any) -> None:
+        """In place of Lightning's per-batch SIGTERM broadcast: a SIGTERM the Trainer recorded
+        (``trainer.received_sigterm``) joins this rank's contribution to the next agreement."""
+        if self.requested is None and getattr(trainer, "received_sigterm", False):
+            self.requested = int(signal.SIGTERM)
 
     def _watch(self, read_fd: int) -> None:
         while True:

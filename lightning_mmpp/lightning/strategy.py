@@ -307,7 +307,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         assert self._engine is not None
         trainer = self.lightning_module.trainer
         handler = self._preemption if kind is not StepKind.PREDICT else None
-        agreement = handler.contribution(self.world_size, self.global_rank) if handler is not None else None
+        # read when the metric all-reduce starts, after this rank's pipeline: with Lightning's
+        # per-batch broadcast gone, a signal rank 0 got while the last stages ran still counts
+        agreement = (lambda: handler.contribution(self.world_size, self.global_rank)) if handler is not None else None
         output = self._engine.step(batch, kind, step_index=trainer.global_step, agreement=agreement)
         if handler is not None and output.agreement is not None:
             handler.carried(output.agreement)
