@@ -34,7 +34,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_mmpp.plan import Calibration, calibrate, plan_placements, profile_model  # noqa: E402
+from benchmarks.common import calibration_at  # noqa: E402
+from lightning_mmpp.plan import plan_placements, profile_model  # noqa: E402
 from lightning_mmpp.plan.costs import CostModel  # noqa: E402
 from lightning_mmpp.plan.launch import rank_threads  # noqa: E402
 from lightning_mmpp.plan.sharing import shared_step_seconds  # noqa: E402
@@ -73,12 +74,7 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args()
 
-    if args.calibration and os.path.exists(args.calibration):
-        cal = Calibration.from_json(args.calibration)
-    else:
-        cal = calibrate(args.world)
-        if args.calibration:
-            cal.to_json(args.calibration)
+    cal = calibration_at(args.calibration, args.world)
     print(cal.describe(), flush=True)
 
     from train_multimodal import TOPOLOGY, VisionAudioLM, sample_batch

@@ -313,3 +313,16 @@ def start_memory_measurement() -> int:
 def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, load average {load:.2f} at start"
+
+
+def calibration_at(path: Optional[str], world_size: int) -> Any:
+    """The :class:`~lightning_mmpp.plan.Calibration` saved at ``path``, or one measured now on
+    ``world_size`` processes (and saved there when a path is given)."""
+    from lightning_mmpp.plan import Calibration, calibrate
+
+    if path and os.path.exists(path):
+        return Calibration.from_json(path)
+    calibration = calibrate(world_size)
+    if path:
+        calibration.to_json(path)
+    return calibration

@@ -1,6 +1,6 @@
 """Where a free-stage step's time goes: cProfile of one rank of a 4-stage 1F1B chain.
 
-    python benchmarks/profile_free_stages.py [--rank 1] [--steps 30] [--top 12]
+    python benchmarks/profile_free_stages.py [--rank 1] [--steps 30] [--top 12] [--torch]
 
 The stages cost nothing (``tf = tb = 0``, microbatch float32 ``[8, 1024]``, m = 8), so the step
 is framework and transport time only: the case where ``bench_vs_torch.py`` compares ours with
@@ -9,7 +9,9 @@ steps of rank ``--rank`` run under cProfile. Prints the mean step time with and 
 profiler's own cost (an unprofiled step of the same rank is timed first), the functions with
 the most own time, and that time per step grouped into gloo calls (posting, waiting), the
 stages' ``time.sleep(0)`` (a yield of the core), autograd, and the rest (Python: the runtime,
-the communicator, packing, and the profiler's overhead on them).
+the communicator, packing, and the profiler's overhead on them). ``--torch`` profiles
+``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same stages instead (``bench_vs_torch.py``'s
+runner), for a side-by-side reading.
 """
 
 from __future__ import annotations
@@ -33,11 +35,24 @@ GROUPS = {
 }
 
 
-def worker(rank: int, world: int, target: int, steps: int, top: int) -> tuple[float, float, dict[str, float], str]:
+class _TorchRun:
+    """torch's ``Schedule1F1B`` on this rank's stage, with ``OurPipeline``'s ``step()``."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        from benchmarks.bench_vs_torch import TorchPipeline
+
+        self.pipe = TorchPipeline(rank, world, 8, 0.0, 0.0)
+
+    def step(self) -> float:
+        return self.pipe.step("1f1b")
+
+
+def worker(rank: int, world: int, target: int, steps: int, top: int,
+           use_torch: bool = False) -> tuple[float, float, dict[str, float], str]:
     import cProfile
     import pstats
 
-    pipe = OurPipeline(chain(world), rank, 8, 0.0, 0.0)
+    pipe = _TorchRun(rank, world) if use_torch else OurPipeline(chain(world), rank, 8, 0.0, 0.0)
     for _ in range(5):
         pipe.step()
     start = time.perf_counter()
@@ -75,11 +90,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--torch", action="store_true", help="profile torch's Schedule1F1B instead of ours")
     args = parser.parse_args()
-    print(f"$ python benchmarks/profile_free_stages.py --rank {args.rank} --steps {args.steps} --top {args.top}")
+    print(f"$ python benchmarks/profile_free_stages.py --rank {args.rank} --steps {args.steps} --top {args.top}"
+          + (" --torch" if args.torch else ""))
     print(f"({machine()})")
-    plain, profiled, grouped, text = run_distributed(worker, 4, args.rank, args.steps, args.top, timeout=600)[args.rank]
-    print(f"\nrank {args.rank}: step {plain * 1e3:.2f} ms unprofiled, {profiled * 1e3:.2f} ms under cProfile")
+    plain, profiled, grouped, text = run_distributed(worker, 4, args.rank, args.steps, args.top, args.torch,
+                                                     timeout=600)[args.rank]
+    who = "torch Schedule1F1B" if args.torch else "ours"
+    print(f"\n{who}, rank {args.rank}: step {plain * 1e3:.2f} ms unprofiled, {profiled * 1e3:.2f} ms under cProfile")
     for name, seconds in grouped.items():
         print(f"  {name:14s} {seconds * 1e3:6.2f} ms per step (profiled)")
     print(text[text.find("ncalls"):] if "ncalls" in text else text)

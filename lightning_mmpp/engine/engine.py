@@ -57,7 +57,7 @@ from lightning_mmpp.engine.tensor_parallel import (
     StageMeshes, TensorParallelRelay, agree_on_errors, apply_tensor_parallel, check_tensor_parallel,
     parallelize_layer,
 )
-from lightning_mmpp.engine.tied import counts_in_norm, owner_ranks, sum_groups, sum_tied_gradients, tie_groups
+from lightning_mmpp.engine.tied import counts_in_norm, sum_groups, sum_tied_gradients, tie_groups
 from lightning_mmpp.engine.trace import Tracer, merge_traces, tracer_for
 from lightning_mmpp.errors import PipelineConfigError, PipelineError
 from lightning_mmpp.model.construction import build_own_stages, plan_construction

@@ -1,0 +1,155 @@
+"""Where the README example's step goes, rank by rank, beside the planner's prediction.
+
+    python benchmarks/profile_example_step.py --calibration cal.json            # 2 ranks, top 2 plans
+    python benchmarks/profile_example_step.py --world-size 4 --top-k 1 --launches 3
+
+The model is ``examples/train_multimodal.py:VisionAudioLM`` on a batch of 32. It is profiled with
+a rank's share of the cores and planned with the calibration (``--calibration FILE``: read, or
+measured with ``calibrate`` and written when the file is absent). Each of the ``--top-k`` plans
+is trained through ``Trainer.fit`` in each of ``--launches`` launches (``--steps`` steps, the
+first ``--warmup`` dropped; a barrier starts every step, as the planner's ``--validate`` does).
+Printed per plan: the predicted step; the median over steps of the slowest rank's step, per
+launch (what ``--validate`` compares with the prediction); and, per rank, the medians of
+
+* ``step``: this rank's batch start (after the barrier) to batch end;
+* ``before the step``: batch start to the strategy's ``training_step`` (Lightning's loop);
+* ``run_pipeline``: the schedule's actions (computes and transfers, waits included);
+* ``rest of training_step``: the metric all-reduce, the dp gradient sums, the logging;
+* ``optimizer and after``: ``on_before_optimizer_step`` to batch end (clipping, the update,
+  zeroing, callbacks);
+
+and, per module, the stage costs the prediction used (forward, backward, optimizer step per
+microbatch and step). CI never runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import torch  # noqa: E402
+
+from benchmarks.common import calibration_at  # noqa: E402
+from lightning_mmpp.plan import plan_placements, profile_model  # noqa: E402
+from lightning_mmpp.plan.costs import CostModel  # noqa: E402
+from lightning_mmpp.plan.launch import rank_threads, run_local  # noqa: E402
+
+PARTS = ("step", "before the step", "run_pipeline", "rest of training_step", "optimizer and after")
+
+
+def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, schedule: str, batch: Any,
+            steps: int, warmup: int) -> dict[str, Any]:
+    """This rank's medians of each part, and the slowest rank's step of each timed step."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from train_multimodal import VisionAudioLM
+
+    from lightning_mmpp import MultiModulePipelineStrategy
+
+    marks: list[dict[str, float]] = []
+    now: dict[str, float] = {}
+
+    class Marks(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            dist.barrier()
+            now.clear()
+            now["start"] = time.perf_counter()
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            now["optimizer"] = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            now["end"] = time.perf_counter()
+            slowest = torch.tensor([now["end"] - now["start"]], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            now["slowest"] = float(slowest)
+            marks.append(dict(now))
+
+    strategy = MultiModulePipelineStrategy(placements, topology, m, schedule=schedule)
+    training_step, setup = strategy.training_step, strategy.setup
+
+    def timed_training_step(*args: Any, **kwargs: Any) -> Any:
+        now["step_in"] = time.perf_counter()
+        out = training_step(*args, **kwargs)
+        now["step_out"] = time.perf_counter()
+        return out
+
+    def setup_then_time_the_pipeline(trainer: Any) -> None:
+        setup(trainer)
+        engine = strategy._engine
+        run_pipeline = engine.run_pipeline
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = run_pipeline(*args, **kwargs)
+            now["pipeline"] = time.perf_counter() - start
+            return out
+
+        engine.run_pipeline = timed
+
+    strategy.training_step, strategy.setup = timed_training_step, setup_then_time_the_pipeline
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[Marks()])
+    trainer.fit(VisionAudioLM(), DataLoader([batch] * steps, batch_size=None, collate_fn=lambda b: b))
+    timed_marks = marks[warmup:]
+    parts = {
+        "step": [m_["end"] - m_["start"] for m_ in timed_marks],
+        "before the step": [m_["step_in"] - m_["start"] for m_ in timed_marks],
+        "run_pipeline": [m_["pipeline"] for m_ in timed_marks],
+        "rest of training_step": [m_["step_out"] - m_["step_in"] - m_["pipeline"] for m_ in timed_marks],
+        "optimizer and after": [m_["end"] - m_["optimizer"] for m_ in timed_marks],
+    }
+    return {"parts": {k: statistics.median(v) for k, v in parts.items()},
+            "slowest": statistics.median(m_["slowest"] for m_ in timed_marks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--calibration", help="calibration JSON: read, or measured and written when absent")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--launches", type=int, default=2)
+    args = parser.parse_args()
+    from multimodal_model import TOPOLOGY
+    from train_multimodal import VisionAudioLM, sample_batch
+
+    cal = calibration_at(args.calibration, args.world_size)
+    batch = sample_batch(32)
+    profile = profile_model(VisionAudioLM(), batch, topology=TOPOLOGY, calibration=cal,
+                            num_threads=rank_threads(args.world_size))
+    plans = plan_placements(profile, args.world_size, top_k=args.top_k, calibration=cal, batch_size=32)
+    print(f"$ python benchmarks/profile_example_step.py --world-size {args.world_size} --top-k {args.top_k} "
+          f"--steps {args.steps} --launches {args.launches}   (load average {os.getloadavg()[0]:.2f})")
+    for i, plan in enumerate(plans, 1):
+        cost = CostModel(profile, plan.placements, plan.num_microbatches)
+        print(f"\n#{i} {plan.describe()}  m={plan.num_microbatches}: predicted {plan.step_time_s * 1e3:.2f} ms")
+        for name in plan.placements:
+            stage = cost.stage(name, 0)
+            print(f"   {name:8s} stage 0: forward {stage.forward_s * 1e3:.3f}  backward {stage.backward_s * 1e3:.3f}  "
+                  f"optimizer {stage.optimizer_s * 1e3:.3f} ms")
+        launches = [run_local(_worker, args.world_size, plan.placements, plan.topology, plan.num_microbatches,
+                              str(plan.schedule), batch, args.steps, args.warmup, timeout=900)
+                    for _ in range(args.launches)]
+        slowest = [launch[0]["slowest"] for launch in launches]
+        print("   slowest rank's step per launch: " + ", ".join(f"{s * 1e3:.2f}" for s in slowest)
+              + f" ms; measured / predicted {statistics.median(slowest) / plan.step_time_s:.3f}")
+        for part in PARTS:
+            cells = [f"r{r} {statistics.median(l[r]['parts'][part] for l in launches) * 1e3:6.3f}"
+                     for r in range(args.world_size)]
+            print(f"   {part:22s} " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
