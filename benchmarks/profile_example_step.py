@@ -18,8 +18,9 @@ launch (what ``--validate`` compares with the prediction); and, per rank, the me
 * ``optimizer and after``: ``on_before_optimizer_step`` to batch end (clipping, the update,
   zeroing, callbacks);
 
-and, per module, the stage costs the prediction used (forward, backward, optimizer step per
-microbatch and step). CI never runs this.
+per module, the stage costs the prediction used (forward, backward, optimizer step per
+microbatch and step); and per rank, the median of each compute action as the runtime ran it (the
+wait for its inputs included). CI never runs this.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, sch
 
     marks: list[dict[str, float]] = []
     now: dict[str, float] = {}
+    computes: dict[str, list[float]] = {}  # "module phase" -> seconds of each compute action (its waits included)
 
     class Marks(L.Callback):
         def on_train_batch_start(self, *args: Any) -> None:
@@ -95,6 +97,16 @@ def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, sch
             return out
 
         engine.run_pipeline = timed
+        runtime = engine.runtime
+        compute = runtime._compute
+
+        def timed_compute(step: Any, prepared: Any) -> None:
+            start = time.perf_counter()
+            compute(step, prepared)
+            action = prepared.action
+            computes.setdefault(f"{action.module} {action.phase.name.lower()}", []).append(time.perf_counter() - start)
+
+        runtime._compute = timed_compute
 
     strategy.training_step, strategy.setup = timed_training_step, setup_then_time_the_pipeline
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
@@ -110,7 +122,8 @@ def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, sch
         "optimizer and after": [m_["end"] - m_["optimizer"] for m_ in timed_marks],
     }
     return {"parts": {k: statistics.median(v) for k, v in parts.items()},
-            "slowest": statistics.median(m_["slowest"] for m_ in timed_marks)}
+            "slowest": statistics.median(m_["slowest"] for m_ in timed_marks),
+            "computes": {k: statistics.median(v[warmup:]) for k, v in computes.items()}}
 
 
 def main() -> None:
@@ -149,6 +162,10 @@ def main() -> None:
             cells = [f"r{r} {statistics.median(l[r]['parts'][part] for l in launches) * 1e3:6.3f}"
                      for r in range(args.world_size)]
             print(f"   {part:22s} " + "  ".join(cells))
+        for rank in range(args.world_size):
+            for name in sorted(launches[0][rank]["computes"]):
+                got = statistics.median(l[rank]["computes"][name] for l in launches)
+                print(f"   rank {rank} {name:22s} {got * 1e3:6.3f} ms per action (its wait for inputs included)")
 
 
 if __name__ == "__main__":
