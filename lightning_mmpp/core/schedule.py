@@ -279,6 +279,17 @@ class _Builder:
         # gradients this unit sends upstream: none when every producer runs no backward
         self.sends_grads = {u: layout.sends_input_gradients(s, no_backward) for u, s in self.units.items()}
         self.next_f = {u: 0 for u in self.units}
+        # the messages of a unit's forward / backward, but for the microbatch: (other module, the
+        # chunk at the other end, the peer rank), looked up in the layout once instead of per action
+        self.forward_edges = {
+            u: tuple((dst, layout.peer_chunk(s, dst, True), peer.rank) for dst, peer in layout.forward_targets(s))
+            for u, s in self.units.items()
+        }
+        self.gradient_edges = {
+            u: tuple((src, layout.peer_chunk(s, src, False), peer.rank)
+                     for src, peer in layout.forward_sources(s) if src not in no_backward)
+            for u, s in self.units.items()
+        }
 
     def _own_limit(self, slot: StageSlot, numbering: Numbering) -> int:
         """1F1B's in-flight bound of a unit: ``depth - index`` of its stage."""
@@ -289,28 +300,17 @@ class _Builder:
         k = self.next_f[unit]
         return k - min((self.next_f[c] for c in self.consumers[unit]), default=k)
 
+    def _forward_transfers(self, unit: _Unit, k: int) -> list[tuple[int, Transfer, int]]:
+        """``(sender, transfer at the sender, receiver)`` of the output of ``unit``'s forward of ``k``."""
+        rank, module, chunk = unit
+        return [(rank, Transfer(MessageKey(Direction.FORWARD, module, dst, k, chunk, dst_chunk), peer), peer)
+                for dst, dst_chunk, peer in self.forward_edges[unit]]
 
-def _forward_transfers(layout: PipelineLayout, slot: StageSlot, rank: int, k: int) -> list[tuple[int, Transfer, int]]:
-    """``(sender, transfer at the sender, receiver)`` of the output of ``slot``'s forward of ``k``."""
-    out = []
-    for dst_module, peer in layout.forward_targets(slot):
-        key = MessageKey(Direction.FORWARD, slot.module, dst_module, k, slot.chunk,
-                         layout.peer_chunk(slot, dst_module, True))
-        out.append((rank, Transfer(key, peer.rank), peer.rank))
-    return out
-
-
-def _gradient_transfers(
-    layout: PipelineLayout, slot: StageSlot, rank: int, k: int, no_backward: frozenset[str]
-) -> list[tuple[int, Transfer, int]]:
-    """``(sender, transfer at the sender, receiver)`` of the input gradients of ``slot`` for ``k``."""
-    out = []
-    for src_module, peer in layout.forward_sources(slot):
-        if src_module not in no_backward:
-            key = MessageKey(Direction.BACKWARD, src_module, slot.module, k,
-                             layout.peer_chunk(slot, src_module, False), slot.chunk)
-            out.append((rank, Transfer(key, peer.rank), peer.rank))
-    return out
+    def _gradient_transfers(self, unit: _Unit, k: int) -> list[tuple[int, Transfer, int]]:
+        """``(sender, transfer at the sender, receiver)`` of the input gradients of ``unit`` for ``k``."""
+        rank, module, chunk = unit
+        return [(rank, Transfer(MessageKey(Direction.BACKWARD, src, module, k, src_chunk, chunk), peer), peer)
+                for src, src_chunk, peer in self.gradient_edges[unit]]
 
 
 def _exchanges(
@@ -400,16 +400,15 @@ class _LockstepBuilder(_Builder):
             arrivals: list[tuple[dict, tuple[_Unit, int]]] = []
             for unit, phase, k in computes:
                 rank, module, chunk = unit
-                slot = self.units[unit]
                 actions[rank].append(Compute(phase, module, k, chunk))
                 if phase is Phase.FORWARD:
                     self.next_f[unit] += 1
                     self.forward_done_tick[(unit, k)] = tick
-                    transfers = _forward_transfers(layout, slot, rank, k)
+                    transfers = self._forward_transfers(unit, k)
                     counter = self.inputs
                 else:
                     self.next_b[unit] += 1
-                    transfers = _gradient_transfers(layout, slot, rank, k, self.no_backward)
+                    transfers = self._gradient_transfers(unit, k)
                     counter = self.grads
                 for sender, t, receiver in transfers:
                     sends[sender].append(t)
@@ -515,6 +514,19 @@ class _TimedBuilder(_Builder):
         self.grads: dict[tuple[_Unit, int], list[float]] = defaultdict(list)
         self.forward_end: dict[tuple[_Unit, int], float] = {}
         self.ends: list[float] = []  # heap of the end times of the computes started so far
+        # Ranks to ask for a compute when free: a rank that found nothing keeps finding nothing
+        # until something it depends on changes: an input or gradient arrives (at the end of its
+        # sender's compute: ``_wake``), or a consumer of one of its no-backward units starts a
+        # forward (``watchers``). Its own counters change only when it computes, and a rank
+        # that computes stays in the set. The same choices as asking every free rank every time.
+        self.dirty: set[int] = set(range(layout.world_size))
+        self._wake: dict[float, set[int]] = defaultdict(set)
+        self.watchers: dict[_Unit, set[int]] = defaultdict(set)
+        for u in self.units:
+            if u[1] in no_backward:
+                for consumer in self.consumers[u]:
+                    self.watchers[consumer].add(u[0])
+        self.unfinished = set(self.units)
 
     def _interleaved_limits(self, numbering: Numbering, extra: int, warmup_bound: bool) -> None:
         """Megatron's interleaved bound, on the DAG: the chunks of a module with ``virtual_stages=v``
@@ -632,9 +644,7 @@ class _TimedBuilder(_Builder):
         return None
 
     def _done(self) -> bool:
-        return all(
-            self.next_f[u] == self.m if u[1] in self.no_backward else self.next_w[u] == self.m for u in self.units
-        )
+        return not self.unfinished
 
     def _cost(self, unit: _Unit, phase: Phase) -> float:
         if phase is Phase.FORWARD:
@@ -657,12 +667,14 @@ class _TimedBuilder(_Builder):
         timeline: list[list[tuple[float, int, Action]]] = [[] for _ in range(world)]
         rounds: dict[float, tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]] = {}
         now = 0.0
+        dirty = self.dirty
         while not self._done():
             for rank in range(world):
-                if free_at[rank] > now:
+                if free_at[rank] > now or rank not in dirty:
                     continue
                 choice = self._choose(rank, now)
                 if choice is None:
+                    dirty.discard(rank)
                     continue
                 unit, phase = choice
                 self._run(unit, phase, now, timeline, rounds, free_at)
@@ -677,6 +689,8 @@ class _TimedBuilder(_Builder):
                     f"next I {self.next_i}, next W {self.next_w})"
                 )
             now = heapq.heappop(self.ends)
+            for time in [t for t in self._wake if t <= now]:
+                dirty |= self._wake.pop(time)
         for time, (sends, recvs) in rounds.items():
             for rank, exchange in _exchanges(sends, recvs):
                 timeline[rank].append((time, 0, exchange))
@@ -686,7 +700,6 @@ class _TimedBuilder(_Builder):
 
     def _run(self, unit: _Unit, phase: Phase, now: float, timeline: list, rounds: dict, free_at: list) -> None:
         rank, module, chunk = unit
-        slot = self.units[unit]
         end = round(now + self._cost(unit, phase), 9)
         free_at[rank] = end
         heapq.heappush(self.ends, end)
@@ -694,13 +707,13 @@ class _TimedBuilder(_Builder):
             k = self.next_f[unit]
             self.next_f[unit] += 1
             self.forward_end[(unit, k)] = end
-            transfers = _forward_transfers(self.layout, slot, rank, k)
+            transfers = self._forward_transfers(unit, k)
         elif phase in (Phase.BACKWARD_INPUT, Phase.BACKWARD):
             k = self.next_i[unit]
             self.next_i[unit] += 1
             if phase is Phase.BACKWARD:
                 self.next_w[unit] += 1  # nothing deferred
-            transfers = _gradient_transfers(self.layout, slot, rank, k, self.no_backward)
+            transfers = self._gradient_transfers(unit, k)
         else:
             k = self.next_w[unit]
             self.next_w[unit] += 1
@@ -708,11 +721,18 @@ class _TimedBuilder(_Builder):
                 self.next_i[unit] += 1  # the lone W was the whole backward
             transfers = []
         timeline[rank].append((now, 1, Compute(phase, module, k, chunk)))
+        if phase is Phase.FORWARD:
+            self.dirty |= self.watchers.get(unit, set())  # a no-backward producer may go ahead now
+        if (self.next_f[unit] if module in self.no_backward else self.next_w[unit]) == self.m:
+            self.unfinished.discard(unit)
         if transfers:
             sends, recvs = rounds.setdefault(end, ({}, {}))
+            # the receivers may start something once the message is there
+            woken = self.dirty if end <= now else self._wake[end]
             for sender, t, receiver in transfers:
                 sends.setdefault(sender, []).append(t)
                 recvs.setdefault(receiver, []).append(t.mirror(sender))
+                woken.add(receiver)
                 if phase is Phase.FORWARD:
                     self.inputs[((receiver, *t.key.consumer), k)].append(end)
                 else:
