@@ -1,9 +1,12 @@
-"""Where the README example's step goes, rank by rank, beside the planner's prediction.
+"""Where a model's step goes, rank by rank, beside the planner's prediction (the README example by default).
 
     python benchmarks/profile_example_step.py --calibration cal.json            # 2 ranks, top 2 plans
     python benchmarks/profile_example_step.py --world-size 4 --top-k 1 --launches 3
+    python benchmarks/profile_example_step.py --model path/to/script.py:ModelClass --batch-size 64
 
-The model is ``examples/train_multimodal.py:VisionAudioLM`` on a batch of 32. It is profiled with
+The model is ``--model`` (``script.py:ModelClass``, found and given a sample batch as ``python -m
+lightning_mmpp.plan`` does; default ``examples/train_multimodal.py:VisionAudioLM``) on a batch of
+``--batch-size`` (default 32). It is profiled with
 a rank's share of the cores and planned with the calibration (``--calibration FILE``: read, or
 measured with ``calibrate`` and written when the file is absent). Each of the ``--top-k`` plans
 is trained through ``Trainer.fit`` in each of ``--launches`` launches (``--steps`` steps, the
@@ -34,25 +37,24 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import torch  # noqa: E402
 
 from benchmarks.common import calibration_at  # noqa: E402
 from lightning_mmpp.plan import plan_placements, profile_model  # noqa: E402
+from lightning_mmpp.plan.__main__ import load_target  # noqa: E402
 from lightning_mmpp.plan.costs import CostModel  # noqa: E402
 from lightning_mmpp.plan.launch import rank_threads, run_local  # noqa: E402
 
 PARTS = ("step", "before the step", "run_pipeline", "rest of training_step", "optimizer and after")
 
 
-def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, schedule: str, batch: Any,
-            steps: int, warmup: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, model_class: Any, placements: dict, topology: dict, m: int, schedule: str,
+            batch: Any, steps: int, warmup: int) -> dict[str, Any]:
     """This rank's medians of each part, and the slowest rank's step of each timed step."""
     import lightning as L
     import torch.distributed as dist
     from torch.utils.data import DataLoader
-    from train_multimodal import VisionAudioLM
 
     from lightning_mmpp import MultiModulePipelineStrategy
 
@@ -112,7 +114,7 @@ def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, sch
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[Marks()])
-    trainer.fit(VisionAudioLM(), DataLoader([batch] * steps, batch_size=None, collate_fn=lambda b: b))
+    trainer.fit(model_class(), DataLoader([batch] * steps, batch_size=None, collate_fn=lambda b: b))
     timed_marks = marks[warmup:]
     parts = {
         "step": [m_["end"] - m_["start"] for m_ in timed_marks],
@@ -128,6 +130,9 @@ def _worker(rank: int, world: int, placements: dict, topology: dict, m: int, sch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=os.path.join(ROOT, "examples", "train_multimodal.py") + ":VisionAudioLM",
+                        help="path/to/script.py:ModelClass")
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--calibration", help="calibration JSON: read, or measured and written when absent")
     parser.add_argument("--top-k", type=int, default=2)
@@ -135,15 +140,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--launches", type=int, default=2)
     args = parser.parse_args()
-    from multimodal_model import TOPOLOGY
-    from train_multimodal import VisionAudioLM, sample_batch
-
+    model_class, batch, topology = load_target(args.model, args.batch_size)
     cal = calibration_at(args.calibration, args.world_size)
-    batch = sample_batch(32)
-    profile = profile_model(VisionAudioLM(), batch, topology=TOPOLOGY, calibration=cal,
+    model = model_class()
+    topology = getattr(model, "pipeline_topology", None) or topology
+    profile = profile_model(model, batch, topology=topology, calibration=cal,
                             num_threads=rank_threads(args.world_size))
-    plans = plan_placements(profile, args.world_size, top_k=args.top_k, calibration=cal, batch_size=32)
-    print(f"$ python benchmarks/profile_example_step.py --world-size {args.world_size} --top-k {args.top_k} "
+    plans = plan_placements(profile, args.world_size, top_k=args.top_k, calibration=cal, batch_size=args.batch_size)
+    print(f"$ python benchmarks/profile_example_step.py --model {args.model} --batch-size {args.batch_size} "
+          f"--world-size {args.world_size} --top-k {args.top_k} "
           f"--steps {args.steps} --launches {args.launches}   (load average {os.getloadavg()[0]:.2f})")
     for i, plan in enumerate(plans, 1):
         cost = CostModel(profile, plan.placements, plan.num_microbatches)
@@ -152,8 +157,8 @@ def main() -> None:
             stage = cost.stage(name, 0)
             print(f"   {name:8s} stage 0: forward {stage.forward_s * 1e3:.3f}  backward {stage.backward_s * 1e3:.3f}  "
                   f"optimizer {stage.optimizer_s * 1e3:.3f} ms")
-        launches = [run_local(_worker, args.world_size, plan.placements, plan.topology, plan.num_microbatches,
-                              str(plan.schedule), batch, args.steps, args.warmup, timeout=900)
+        launches = [run_local(_worker, args.world_size, model_class, plan.placements, plan.topology,
+                              plan.num_microbatches, str(plan.schedule), batch, args.steps, args.warmup, timeout=900)
                     for _ in range(args.launches)]
         slowest = [launch[0]["slowest"] for launch in launches]
         print("   slowest rank's step per launch: " + ", ".join(f"{s * 1e3:.2f}" for s in slowest)
