@@ -17,7 +17,7 @@ import dataclasses
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,6 +77,26 @@ def random_placements(
             placements[name] = P(pp=pp, dp=dp, rank_offset=cursor, virtual_stages=v)
         cursor += pp * dp
     return placements, topology
+
+
+SCHEDULE_KINDS = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "zbv")
+
+
+def schedule_cases(
+    rng: random.Random, layouts: int, max_microbatches: int
+) -> Iterator[tuple[PipelineLayout, int, str, frozenset[str]]]:
+    """``(layout, m, kind, no_backward_modules)`` for every schedule kind on ``layouts`` random
+    DAGs with virtual stages (m from 1 to ``max_microbatches``), each plain, with V-shaped chunks
+    and with some modules frozen: the family the schedule builders are timed and pinned on."""
+    for _ in range(layouts):
+        placements, topology = random_placements(rng, VIRTUAL_CHOICES)
+        m = rng.randint(1, max_microbatches)
+        frozen = rng.sample(sorted(placements), rng.randint(0, len(placements) - 1))
+        for v_shape, chosen in ((False, ()), (True, ()), (False, frozen)):
+            layout = PipelineLayout(placements, topology, v_shape=v_shape)
+            no_backward = layout.no_backward_modules(chosen)
+            for kind in SCHEDULE_KINDS:
+                yield layout, m, kind, no_backward
 
 
 def random_layout(rng: random.Random) -> PipelineLayout:

@@ -25,12 +25,10 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_schedule import VIRTUAL_CHOICES, random_placements  # noqa: E402
+from bench_schedule import SCHEDULE_KINDS, schedule_cases  # noqa: E402
 
 from lightning_mmpp.core import schedule as ours  # noqa: E402
 from lightning_mmpp.core.placement import PipelineLayout  # noqa: E402
-
-KINDS = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "zbv")
 
 
 def _load(path: str) -> ModuleType:
@@ -58,31 +56,23 @@ def main() -> None:
     parser.add_argument("--against", help="another schedule.py to compare with (same schedules, its time)")
     args = parser.parse_args()
     other: Optional[ModuleType] = _load(args.against) if args.against else None
-    rng = random.Random(args.seed)
-    seconds = {kind: 0.0 for kind in KINDS}
-    other_seconds = {kind: 0.0 for kind in KINDS}
-    counts = {kind: 0 for kind in KINDS}
-    for _ in range(args.layouts):
-        placements, topology = random_placements(rng, VIRTUAL_CHOICES)
-        m = rng.randint(1, 9)
-        chosen = rng.sample(sorted(placements), rng.randint(0, len(placements) - 1))
-        for v_shape, frozen in ((False, ()), (True, ()), (False, chosen)):
-            layout = PipelineLayout(placements, topology, v_shape=v_shape)
-            no_backward = layout.no_backward_modules(frozen)
-            for kind in KINDS:
-                built, took = _timed(ours, layout, m, kind, no_backward)
-                seconds[kind] += took
-                counts[kind] += 1
-                if other is not None:
-                    theirs, their_time = _timed(other, layout, m, kind, no_backward)
-                    other_seconds[kind] += their_time
-                    assert built == theirs, f"{kind} differs on {placements} {topology} m={m} frozen={frozen}"
+    seconds = {kind: 0.0 for kind in SCHEDULE_KINDS}
+    other_seconds = {kind: 0.0 for kind in SCHEDULE_KINDS}
+    counts = {kind: 0 for kind in SCHEDULE_KINDS}
+    for layout, m, kind, no_backward in schedule_cases(random.Random(args.seed), args.layouts, max_microbatches=9):
+        built, took = _timed(ours, layout, m, kind, no_backward)
+        seconds[kind] += took
+        counts[kind] += 1
+        if other is not None:
+            theirs, their_time = _timed(other, layout, m, kind, no_backward)
+            other_seconds[kind] += their_time
+            assert built == theirs, (kind, layout.placements, layout.topology, m, sorted(no_backward))
     print(f"$ python benchmarks/bench_schedule_build.py --layouts {args.layouts} --seed {args.seed}"
           + (f" --against {args.against}" if args.against else ""))
     header = "| kind | schedules | this tree s | ms each |" + (" other s | this / other |" if other else "")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for kind in KINDS:
+    for kind in SCHEDULE_KINDS:
         row = f"| {kind} | {counts[kind]} | {seconds[kind]:.2f} | {seconds[kind] / counts[kind] * 1e3:.1f} |"
         if other is not None:
             row += f" {other_seconds[kind]:.2f} | {seconds[kind] / other_seconds[kind]:.3f} |"

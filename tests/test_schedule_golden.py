@@ -16,34 +16,25 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from bench_schedule import VIRTUAL_CHOICES, random_placements  # noqa: E402
+from bench_schedule import schedule_cases  # noqa: E402
 
-from lightning_mmpp.core.placement import PipelineLayout  # noqa: E402
 from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b", "zbv")
 DIGEST = "7ea463f3cb51bd416a19d1fe951ccd522933b53d2129eeac663e4a00460d8286"
 
 
 def schedules_digest(layouts: int = 6, seed: int = 2026) -> str:
     """sha256 over the actions of every schedule kind on ``layouts`` random layouts, each plain,
     V-shaped and with some modules frozen (an error a builder raises is hashed by its type)."""
-    rng = random.Random(seed)
     digest = hashlib.sha256()
-    for _ in range(layouts):
-        placements, topology = random_placements(rng, VIRTUAL_CHOICES)
-        m = rng.randint(1, 6)
-        frozen = rng.sample(sorted(placements), rng.randint(0, len(placements) - 1))
-        for v_shape, chosen in ((False, ()), (True, ()), (False, frozen)):
-            layout = PipelineLayout(placements, topology, v_shape=v_shape)
-            for name in SCHEDULES:
-                try:
-                    schedule = build_schedule(layout, m, name, no_backward_modules=layout.no_backward_modules(chosen))
-                except Exception as err:  # noqa: BLE001 - which layouts a kind refuses is pinned too
-                    digest.update(f"{name}: {type(err).__name__}\n".encode())
-                    continue
-                for rank, actions in enumerate(schedule.actions):
-                    digest.update(f"{name} {rank}: {' '.join(str(a) for a in actions)}\n".encode())
+    for layout, m, name, no_backward in schedule_cases(random.Random(seed), layouts, max_microbatches=6):
+        try:
+            schedule = build_schedule(layout, m, name, no_backward_modules=no_backward)
+        except Exception as err:  # noqa: BLE001 - which layouts a kind refuses is pinned too
+            digest.update(f"{name}: {type(err).__name__}\n".encode())
+            continue
+        for rank, actions in enumerate(schedule.actions):
+            digest.update(f"{name} {rank}: {' '.join(str(a) for a in actions)}\n".encode())
     return digest.hexdigest()
 
 

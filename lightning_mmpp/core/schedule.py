@@ -521,11 +521,11 @@ class _TimedBuilder(_Builder):
         # that computes stays in the set. The same choices as asking every free rank every time.
         self.dirty: set[int] = set(range(layout.world_size))
         self._wake: dict[float, set[int]] = defaultdict(set)
-        self.watchers: dict[_Unit, set[int]] = defaultdict(set)
+        self.watchers: dict[_Unit, set[int]] = {}
         for u in self.units:
             if u[1] in no_backward:
                 for consumer in self.consumers[u]:
-                    self.watchers[consumer].add(u[0])
+                    self.watchers.setdefault(consumer, set()).add(u[0])
         self.unfinished = set(self.units)
 
     def _interleaved_limits(self, numbering: Numbering, extra: int, warmup_bound: bool) -> None:
@@ -722,7 +722,7 @@ class _TimedBuilder(_Builder):
             transfers = []
         timeline[rank].append((now, 1, Compute(phase, module, k, chunk)))
         if phase is Phase.FORWARD:
-            self.dirty |= self.watchers.get(unit, set())  # a no-backward producer may go ahead now
+            self.dirty.update(self.watchers.get(unit, ()))  # a no-backward producer may go ahead now
         if (self.next_f[unit] if module in self.no_backward else self.next_w[unit]) == self.m:
             self.unfinished.discard(unit)
         if transfers:
