@@ -88,6 +88,9 @@ def main() -> None:
         own = {id(p) for p in engine.parameters()}
         state = {name: p.detach().cpu() for name, p in model.named_parameters() if id(p) in own}
         torch.save(state, os.path.join(args.save, f"rank{rank}.pt"))
+    # every rank done (the saves included) before any closes its groups: a gloo rank that closes
+    # a pair while its peer still holds it open now and then aborts that peer at exit
+    dist.barrier()
     engine.close()
     dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ top of it, and a plain PyTorch loop under ``torchrun`` drives it directly::
         out = engine.step(batch)                         # forwards, backwards, dp sync
         optimizer.step()
         print(out.loss)                                  # identical on every rank
+    dist.barrier()                                       # every rank done before any closes a group
     engine.close()
 
 One step, whatever its kind: the global batch is split into microbatches and this rank's dp
