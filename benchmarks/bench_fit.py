@@ -23,6 +23,13 @@ batch, the step hooks, the pipeline, the optimizer). For ours the breakdown (med
 timed steps, on the rank whose pipeline part is the longest) splits it into the engine's pipeline
 (``run_pipeline``: the schedule's actions), the rest of ``engine.step`` (dp sync, metric
 reduction), and everything else Lightning and the strategy do per step.
+
+**The stages' own time.** A ``SleepStage`` call costs more than its sleep: the sleep's wake-up
+(timer slack, the VM rescheduling an idle core) and the autograd function around it. Before its
+fit, every rank of ours times its stage alone, forward and backward, on the microbatch shape
+(``--stage-calls`` calls each, median): ``tf'``, ``tb'``. No runtime can run the schedule faster
+than ``(m + D - 1)(tf' + tb')``, the ideal with the measured stages; the step beyond that is
+the framework's (ours and Lightning's) and the transport's.
 """
 
 from __future__ import annotations
@@ -132,7 +139,26 @@ def floor_model(sleep_f: float, sleep_b: float) -> Any:
     return SleepStep()
 
 
-def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int, warmup: int) -> dict:
+def stage_times(tf: float, tb: float, calls: int, input_grad: bool) -> tuple[float, float]:
+    """Median seconds of one ``SleepStage(tf, tb)`` forward and backward alone, on a microbatch."""
+    stage = SleepStage(tf, tb)
+    forwards: list[float] = []
+    backwards: list[float] = []
+    for call in range(calls + 2):  # 2 untimed
+        x = torch.randn(*MB_SHAPE, requires_grad=input_grad)
+        start = time.perf_counter()
+        out = stage(x)
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        end = time.perf_counter()
+        if call >= 2:
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+    return median(forwards), median(backwards)
+
+
+def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int, warmup: int,
+                stage_calls: int) -> dict:
     from lightning_mmpp import MultiModulePipelineStrategy
 
     L = _lightning()
@@ -154,13 +180,15 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
 
                 setattr(engine, attr, timed)
 
+    # this rank's stage alone (ranks 0-1 hold first stages, whose input needs no gradient)
+    stage_f, stage_b = stage_times(tf, tb, stage_calls, input_grad=rank >= 2)
     strategy = MultiModulePipelineStrategy(PLACEMENTS, num_microbatches=m, schedule="1f1b")
     trainer = _trainer(world, warmup + steps + 1, strategy, clock)
     trainer.callbacks.append(Timers())
     L.seed_everything(0, verbose=False)
     trainer.fit(pipelined_model(m, tf, tb), _loader(m, warmup + steps + 1))
     first = warmup + 1  # the intervals' steps: the ends at index warmup .. warmup + steps
-    return {"steps": _intervals(clock.ends, warmup),
+    return {"steps": _intervals(clock.ends, warmup), "stage": (stage_f, stage_b),
             "run_pipeline": spans["run_pipeline"][first:], "engine.step": spans["engine.step"][first:]}
 
 
@@ -181,6 +209,8 @@ def main() -> None:
     parser.add_argument("--tb", type=float, default=0.040)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--stage-calls", type=int, default=30,
+                        help="forward and backward calls of each rank's stage timed alone before its fit")
     parser.add_argument("--no-floor", action="store_true", help="only ours (skip the two plain-Lightning runs)")
     args = parser.parse_args()
     m, tf, tb, steps, warmup = args.m, args.tf, args.tb, args.steps, args.warmup
@@ -199,9 +229,15 @@ def main() -> None:
             step = median(per_rank[0])
             floors[name] = step - sleep
             rows.append((name, sleep * 1e3, step * 1e3, step / sleep, (step - sleep) * 1e3))
-    per_rank = run_distributed(worker_ours, 4, m, tf, tb, steps, warmup, timeout=timeout, init_pg=False)
+    per_rank = run_distributed(worker_ours, 4, m, tf, tb, steps, warmup, args.stage_calls, timeout=timeout,
+                               init_pg=False)
     step = median(per_rank[0]["steps"])
     rows.append(("ours, 2 enc -> llm, 4 processes", ideal * 1e3, step * 1e3, step / ideal, (step - ideal) * 1e3))
+    # the ideal with the stages as measured: every rank's stage is the same kind, so the mean
+    # over ranks of each one's median
+    stage_f = sum(r["stage"][0] for r in per_rank) / len(per_rank)
+    stage_b = sum(r["stage"][1] for r in per_rank) / len(per_rank)
+    measured_ideal = (m + DEPTH - 1) * (stage_f + stage_b)
     uptime = os.getloadavg()[0]
     section("Step time through Trainer.fit")
     print(table(["run", "ideal ms", "step ms", "step/ideal", "beyond ideal ms"], rows))
@@ -209,15 +245,22 @@ def main() -> None:
     # the rank whose pipeline ends the step (the longest run_pipeline): its engine.step and loop
     last = max(per_rank, key=lambda r: median(r["run_pipeline"]))
     pipeline, engine = median(last["run_pipeline"]), median(last["engine.step"])
+    section("One stage call alone (median per rank, mean over ranks)")
+    print(table(["phase", "nominal ms", "measured ms", "beyond ms"],
+                [("forward", tf * 1e3, stage_f * 1e3, (stage_f - tf) * 1e3),
+                 ("backward", tb * 1e3, stage_b * 1e3, (stage_b - tb) * 1e3)]))
     section("Where ours spends a step (medians, on the rank whose pipeline ends the step)")
     parts = [("ideal (m + D - 1)(tf + tb)", ideal * 1e3),
-             ("run_pipeline beyond ideal (schedule's actions)", (pipeline - ideal) * 1e3),
+             ("the stages' own time beyond tf, tb: (m + D - 1)(tf' + tb' - tf - tb)", (measured_ideal - ideal) * 1e3),
+             ("run_pipeline beyond that (schedule's actions)", (pipeline - measured_ideal) * 1e3),
              ("rest of engine.step (dp sync, metrics)", (engine - pipeline) * 1e3),
              ("outside engine.step (Lightning loop, strategy hooks)", (step - engine) * 1e3),
              ("step through Trainer.fit", step * 1e3)]
     print(table(["part", "ms per step"], parts))
     print()
     print(f"ours through Trainer.fit: ideal / measured = {ideal / step:.3f} (measured / ideal {step / ideal:.3f})")
+    print(f"ours through Trainer.fit: ideal with the measured stages / measured = {measured_ideal / step:.3f} "
+          f"({measured_ideal * 1e3:.1f} ms; the framework's and the transport's share {(step - measured_ideal) * 1e3:.1f} ms)")
     for name, cost in floors.items():
         print(f"plain Lightning per-step cost beyond its sleep, {name}: {cost * 1e3:.1f} ms")
     print(f"(load average {uptime:.2f} at the end)")

@@ -44,7 +44,7 @@ import enum
 import io
 import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 
 class Direction(enum.Enum):
@@ -99,6 +99,17 @@ class MessageKey:
     def __post_init__(self) -> None:
         if not isinstance(self.direction, Direction):
             raise TypeError(f"MessageKey.direction must be a Direction, got {self.direction!r}")
+        # hashed once: the communicator and the runtime key several dicts by it per message
+        object.__setattr__(self, "_hash", hash((self.direction.value, self.src_module, self.dst_module,
+                                                 self.microbatch, self.src_chunk, self.dst_chunk)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # rebuilt by the constructor: a string's hash differs between processes
+        return (MessageKey, (self.direction, self.src_module, self.dst_module, self.microbatch, self.src_chunk,
+                             self.dst_chunk))
 
     @property
     def edge(self) -> tuple[str, str, int, int, int]:

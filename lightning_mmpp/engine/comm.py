@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import struct
 import weakref
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -106,8 +107,10 @@ BACKWARD = Direction.BACKWARD
 
 
 @functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=8192)
 def message_tag(key: MessageKey) -> int:
-    """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it."""
+    """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it
+    (cached: every message of a step asks for its tag on both ends)."""
     text = f"{key.direction.value}|{key.src_module}|{key.dst_module}|{key.microbatch}"
     if key.src_chunk or key.dst_chunk:  # virtual stages: two chunks of a module share a rank pair
         text += f"|{key.src_chunk}|{key.dst_chunk}"
@@ -116,6 +119,11 @@ def message_tag(key: MessageKey) -> int:
 
 def _describe(key: MessageKey) -> str:
     return f"{key.direction.value} {key.src_module}{key.direction.arrow}{key.dst_module} mb{key.microbatch}"
+
+
+# the packed header (flag, tag) as the sender's int64 view of the buffer writes it
+_HEADER = struct.Struct("=qq")
+assert _HEADER.size == HEADER_BYTES
 
 
 @dataclass
@@ -184,6 +192,7 @@ class _Incoming:
         self.order = order
         self.direct_bytes = direct_bytes  # the communicator's direct_leaf_bytes
         self.buffer: Optional[torch.Tensor] = None
+        self.lent: Optional[_LentBuffer] = None  # the pooled memory of a data part's packed buffer
         self.direct: list[torch.Tensor] = []  # the direct leaves' buffers of a data part
         self.done = False
 
@@ -195,7 +204,7 @@ class _Incoming:
         """A data part's buffers: the packed one, then one per direct leaf (each pooled by its
         own slot of the channel)."""
         slot = self.channel_slot
-        self.buffer = pool.get(slot, wire.packed.nbytes, device)
+        self.buffer, self.lent = pool.get_lent(slot, wire.packed.nbytes, device)
         self.direct = [pool.get((*slot, index), meta.nbytes, device)
                        for index, meta in zip(wire.direct_indices, wire.direct_metas)]
         return [self.buffer, *self.direct]
@@ -204,7 +213,8 @@ class _Incoming:
         """The received message's leaves (views into its buffers), ``None`` where nothing travels."""
         assert self.buffer is not None
         leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
-        for index, tensor in zip(wire.packed.indices, unpack(self.buffer, wire.packed)):
+        # the buffer was made for this layout (next_buffers / data_buffers)
+        for index, tensor in zip(wire.packed.indices, unpack(self.buffer, wire.packed, checked=False)):
             leaves[index] = tensor
         for index, meta, buffer in zip(wire.direct_indices, wire.direct_metas, self.direct):
             leaves[index] = direct_leaf(buffer, meta)
@@ -221,6 +231,11 @@ class _Incoming:
 
     def scalars(self) -> Optional[torch.Tensor]:
         """The int64 values of the received buffer the state machine needs on the host."""
+        return None
+
+    def host_header(self) -> Optional[list[int]]:
+        """The values :meth:`scalars` would give, read from pooled host memory without a tensor
+        op; ``None`` where they must come from :meth:`scalars`."""
         return None
 
     def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
@@ -262,7 +277,7 @@ class _ForwardIncoming(_Incoming):
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
             return self.data_buffers(self.spec.wire(False, self.direct_bytes), device, pool)
-        self.direct = []
+        self.direct, self.lent = [], None
         if self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
         else:
@@ -271,6 +286,11 @@ class _ForwardIncoming(_Incoming):
 
     def steady(self) -> bool:
         return self.part is _Part.DATA
+
+    def host_header(self) -> Optional[list[int]]:
+        if self.lent is None or self.part not in (_Part.DATA, _Part.NEW_DATA):
+            return None
+        return self.lent.header()
 
     def scalars(self) -> Optional[torch.Tensor]:
         assert self.buffer is not None
@@ -315,6 +335,9 @@ class _BackwardIncoming(_Incoming):
 
     def steady(self) -> bool:
         return True
+
+    def host_header(self) -> Optional[list[int]]:
+        return None if self.lent is None else self.lent.header()
 
     def scalars(self) -> Optional[torch.Tensor]:
         assert self.buffer is not None
@@ -369,6 +392,11 @@ class _LentBuffer:
         self.loan = weakref.ref(view)
         return torch.frombuffer(view, dtype=torch.uint8)
 
+    def header(self) -> list[int]:
+        """The two int64 values of the packed header (flag, tag) the latest loan received, read
+        from the memory directly: no tensor is built to read them."""
+        return list(_HEADER.unpack_from(self.memory, self.start))
+
 
 class _ReceiveBuffers:
     """Receive buffers per channel, lent again once nothing uses them (CPU only).
@@ -392,19 +420,25 @@ class _ReceiveBuffers:
         self.buffers: dict[tuple[Any, ...], tuple[int, list[_LentBuffer]]] = {}
 
     def get(self, slot: tuple[Any, ...], nbytes: int, device: torch.device) -> torch.Tensor:
+        return self.get_lent(slot, nbytes, device)[0]
+
+    def get_lent(self, slot: tuple[Any, ...], nbytes: int,
+                 device: torch.device) -> tuple[torch.Tensor, Optional[_LentBuffer]]:
+        """A buffer of ``nbytes`` for ``slot``, and the pooled buffer it was lent from (``None``
+        where it is a fresh tensor)."""
         if not self.enabled:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
         size, pool = self.buffers.get(slot, (-1, []))
         if size != nbytes:
             pool = []
             self.buffers[slot] = (nbytes, pool)
         for buffer in pool:
             if buffer.returned():
-                return buffer.lend()
+                return buffer.lend(), buffer
         if len(pool) >= self.MAX_POOLED:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
         pool.append(_LentBuffer(nbytes))
-        return pool[-1].lend()
+        return pool[-1].lend(), pool[-1]
 
 
 class _Origin(enum.Enum):
@@ -550,7 +584,7 @@ class MultiModuleCommunicator:
         # A peer's earlier group must be whole first: its messages may carry the spec this
         # batch's receives are planned with, and nothing later from that peer may be posted
         # while parts of it are still to come.
-        for key in recvs:
+        for key in recvs if self._open else ():
             _, peers = self._sources(key) if key.direction == FORWARD else self._targets(key)
             for peer in peers:
                 if peer.rank in self._open:
@@ -972,6 +1006,8 @@ class MultiModuleCommunicator:
     # --- the rounds --------------------------------------------------------------------
 
     def _check_initialised(self) -> None:
+        if self._direct is not None:  # posted on this group already
+            return
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 f"rank {self.rank} must exchange messages with other ranks but torch.distributed is not "
@@ -1077,6 +1113,11 @@ class MultiModuleCommunicator:
             recvs = [m for m in recvs if not m.done]
             if not recvs:
                 return
+        if len(recvs) == 1:  # one message: its header from host memory where it was pooled
+            values = recvs[0].host_header()
+            if values is not None:
+                self._advanced(recvs[0], values)
+                return
         views = [m.scalars() for m in recvs]
         present = [v for v in views if v is not None]
         # one host sync for all headers
@@ -1087,21 +1128,24 @@ class MultiModuleCommunicator:
             if view is not None:
                 values = flat[cursor : cursor + view.numel()]
                 cursor += view.numel()
-            spec = msg.advance(values, self.rank)
-            if spec is not None:  # a forward channel's new spec, cached for its next messages
-                assert isinstance(msg, _ForwardIncoming)
-                self._recv_cache[msg.channel] = spec
-                self.stats.metadata_exchanges += 1
+            self._advanced(msg, values)
+
+    def _advanced(self, msg: _Incoming, values: list[int]) -> None:
+        """Move ``msg`` on by its received part's ``values``; cache a forward channel's new spec."""
+        spec = msg.advance(values, self.rank)
+        if spec is not None:  # a forward channel's new spec, cached for its next messages
+            assert isinstance(msg, _ForwardIncoming)
+            self._recv_cache[msg.channel] = spec
+            self.stats.metadata_exchanges += 1
 
     # --- assembling received payloads --------------------------------------------------------
 
     def _finish_forward_recv(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]]) -> Any:
-        where = f"'{_describe(key)}' on rank {self.rank}"
         chunks: list[list[Optional[torch.Tensor]]] = []
         states: list[_PeerState] = []
         for peer, (kind, src) in sources:
             if kind is _Origin.READY:
-                leaves, spec = flatten_payload(src, where)
+                leaves, spec = flatten_payload(src, f"'{_describe(key)}' on rank {self.rank}")
             else:
                 assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
                 spec = src.spec
@@ -1121,6 +1165,7 @@ class MultiModuleCommunicator:
                 ])
             self._received[key.edge] = (spec, states)
             return payload
+        where = f"'{_describe(key)}' on rank {self.rank}"
         slot = self._slot(key.dst_module)
         context = (
             f"{self._bridge_context(key, 'fan-in')}: replicas on ranks {[s.rank for s in states]} into replica "

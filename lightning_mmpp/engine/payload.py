@@ -411,9 +411,12 @@ def read_header(buffer: torch.Tensor) -> tuple[int, int]:
     return int(flag), int(tag)
 
 
-def unpack(buffer: torch.Tensor, layout: BufferLayout) -> list[torch.Tensor]:
-    """The tensors packed in ``buffer``: views into it, in ``layout`` order, ``requires_grad=False``."""
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != layout.nbytes:
+def unpack(buffer: torch.Tensor, layout: BufferLayout, checked: bool = True) -> list[torch.Tensor]:
+    """The tensors packed in ``buffer``: views into it, in ``layout`` order, ``requires_grad=False``.
+
+    ``checked=False``: ``buffer`` is known to be a 1-d uint8 buffer of ``layout.nbytes`` bytes
+    (the communicator's own receive buffer of that layout), not checked again."""
+    if checked and (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != layout.nbytes):
         raise ValueError(
             f"unpack: expected a 1-d uint8 buffer of {layout.nbytes} bytes, got {buffer.dtype}{list(buffer.shape)}"
         )
