@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import calibration_at  # noqa: E402
 from lightning_mmpp.plan import plan_placements, profile_model  # noqa: E402
-from lightning_mmpp.plan.__main__ import load_target  # noqa: E402
+from lightning_mmpp.plan.target import ScriptModel, load_target  # noqa: E402
 from lightning_mmpp.plan.costs import CostModel  # noqa: E402
 from lightning_mmpp.plan.launch import rank_threads, run_local  # noqa: E402
 
@@ -157,7 +157,8 @@ def main() -> None:
             stage = cost.stage(name, 0)
             print(f"   {name:8s} stage 0: forward {stage.forward_s * 1e3:.3f}  backward {stage.backward_s * 1e3:.3f}  "
                   f"optimizer {stage.optimizer_s * 1e3:.3f} ms")
-        launches = [run_local(_worker, args.world_size, model_class, plan.placements, plan.topology,
+        make = ScriptModel(os.path.abspath(args.model.rpartition(":")[0]), args.model.rpartition(":")[2])
+        launches = [run_local(_worker, args.world_size, make, plan.placements, plan.topology,
                               plan.num_microbatches, str(plan.schedule), batch, args.steps, args.warmup, timeout=900)
                     for _ in range(args.launches)]
         slowest = [launch[0]["slowest"] for launch in launches]

@@ -32,3 +32,19 @@ def test_failure_ends_every_rank_promptly(start_method):
     # The hang's fingerprint: the launcher gives the ranks it sent SIGTERM 30 s, then kills them.
     # (No timing assertion: a loaded CI machine stretches every step; the fallback is what matters.)
     assert "Unable to shutdown process" not in out, out[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_forked_workers_run_one_thread_after_the_launching_process_ran_several():
+    """A forked worker given several threads hangs in its first multi-threaded op once the
+    launching process ran one (GNU OpenMP's pool does not survive a fork): the launcher gives
+    such workers one thread, and says so in the launching process."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: the worker must be due several threads")
+    proc = subprocess.run([sys.executable, "tests/launch_threads.py"], cwd=ROOT, text=True, timeout=220,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert "FIT DONE AT STEP 2" in out and "WORKER THREADS 1" in out, out[-3000:]
+    assert "torch.set_num_threads(1) at the top of the script" in out, out[-3000:]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.loops.optimization.automatic import Closure, _AutomaticOptimization
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
@@ -330,6 +331,11 @@ def test_launchers_override_what_lightning_calls():
     assert params(_SubprocessScriptLauncher, "launch") == expected["launch"]
     assert params(CheckedSubprocessLauncher, "launch") == expected["launch"]
     assert _WorkerOutput._fields == ("best_model_path", "weights_path", "trainer_state", "trainer_results", "extra")
+    # a worker's entry point, its process index first; it sets the worker's threads unless
+    # OMP_NUM_THREADS is set (the forked-worker thread guard relies on that)
+    assert params(base, "_wrapping_function")[:2] == ["self", "process_idx"]
+    assert "_set_num_threads_if_needed" in inspect.getsource(base._wrapping_function)
+    assert "OMP_NUM_THREADS" in inspect.getsource(_set_num_threads_if_needed)
 
 
 class _Counter(L.Callback):

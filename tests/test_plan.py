@@ -653,3 +653,55 @@ def test_calibration_launches_merge_by_median_and_the_dp_run_sums_a_real_gradien
         assert DP_LAYERS * _width(world) >= world
     with pytest.raises(PipelineConfigError, match="launches"):
         calibrate(2, launches=0)
+
+
+def _threaded_conv(rank: int, world: int) -> int:
+    """A convolution on the rank's intra-op threads (an OpenMP team where there are several)."""
+    import torch
+
+    conv = torch.nn.Conv2d(3, 8, 3)
+    conv(torch.randn(4, 3, 32, 32)).sum().item()
+    return torch.get_num_threads()
+
+
+def test_local_processes_start_fresh_where_a_rank_gets_several_threads():
+    from lightning_mmpp.plan.launch import rank_threads, start_method
+
+    cores = os.cpu_count() or 1
+    assert start_method(cores, "cpu") == "fork" and rank_threads(cores) == 1
+    assert start_method(1, "cuda") == "spawn"
+    assert start_method(1, "cpu") == ("spawn" if cores > 1 else "fork")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_rank_with_several_threads_runs_after_its_parent_ran_openmp():
+    """One rank on a machine of several cores gets them all; forked from a parent that already
+    ran an OpenMP team (as after profiling a model), its first parallel region would hang."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: one rank must get several threads")
+    import torch
+
+    from lightning_mmpp.plan.launch import rank_threads, run_local
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(1))
+    try:
+        _threaded_conv(0, 1)  # the parent's OpenMP team
+        assert run_local(_threaded_conv, 1, timeout=120) == [rank_threads(1)]
+    finally:
+        torch.set_num_threads(threads)
+    # what cannot be rebuilt in a fresh process is refused before anything starts, naming the fix
+    with pytest.raises(PipelineConfigError, match="must pickle.*module level"):
+        run_local(lambda rank, world: rank, 1)
+
+
+def test_a_script_model_pickles_as_its_path_and_builds_its_class():
+    import pickle
+
+    from lightning_mmpp.plan.target import ScriptModel, load_target
+
+    path = os.path.join(ROOT, "examples", "train_multimodal.py")
+    make = pickle.loads(pickle.dumps(ScriptModel(path, "VisionAudioLM")))
+    cls, _, _ = load_target(f"{path}:VisionAudioLM", 4)
+    assert type(make()) is cls  # the script is loaded once per process

@@ -31,6 +31,7 @@ tracking are Lightning's.
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -206,6 +207,15 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
+FORKED_WORKERS_ONE_THREAD = (
+    "start_method='fork': each worker would run {due} intra-op threads, but this process runs {threads} and "
+    "may have used them already, after which a forked process hangs in its first multi-threaded op (GNU OpenMP's "
+    "thread pool does not survive a fork). The workers run one thread each. For {due} each, call "
+    "torch.set_num_threads(1) at the top of the script (before building the model), or use start_method='popen' "
+    "or 'spawn'."
+)
+
+
 class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher with the strategy's pre-launch checks, bringing the whole
     trained model back to the parent."""
@@ -215,7 +225,31 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
         # decided in the parent, read in the workers (the launcher travels with them)
         lm = trainer.lightning_module if trainer is not None else None
         self._parent_holds_model = lm is not None and self._model_is_built(lm)
+        self._worker_threads = self._forked_worker_threads()
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _forked_worker_threads(self) -> Optional[int]:
+        """1 where forked CPU workers would run several intra-op threads and this process runs
+        several itself (so it may have run an OpenMP team already): a forked process hangs in its
+        first parallel region then, GNU libgomp's thread pool not surviving a fork. ``None``:
+        Lightning's choice (the cores shared out) stands. Warns here, in the launching process."""
+        if self._start_method != "fork" or self._strategy.root_device.type != "cpu":
+            return None
+        threads = torch.get_num_threads()
+        # what a worker would run: Lightning shares the cores out unless OMP_NUM_THREADS is set,
+        # when the worker keeps this process's setting
+        due = threads if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // self._strategy.num_processes)
+        if due == 1 or threads == 1:
+            return None
+        warnings.warn(FORKED_WORKERS_ONE_THREAD.format(due=due, threads=threads), stacklevel=3)
+        return 1
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        threads = getattr(self, "_worker_threads", None)
+        if threads is not None:  # before Lightning's own thread setting, which then stands aside
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     def _model_is_built(self, lm: Any) -> bool:
         modules = self._strategy.layout.modules  # type: ignore[attr-defined]

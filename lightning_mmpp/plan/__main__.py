@@ -28,8 +28,6 @@ script whose constructor takes the dataset size (``batch_size`` samples, collate
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import os
 import re
@@ -41,6 +39,7 @@ from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES, Calibration
 from lightning_mmpp.plan.costs import ModelProfile
 from lightning_mmpp.plan.search import format_bytes, plan_placements, plans_table
+from lightning_mmpp.plan.target import ScriptModel, load_target
 
 # --validate measures as benchmarks/bench_plan.py --accuracy does, whose figures the README quotes: on
 # a 2-core VM a pure-dp step spreads +-7% within a launch (a 5-step median moves by up to 5%) and a
@@ -58,49 +57,6 @@ def parse_bytes(text: str) -> float:
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 8e10")
     return float(match.group(1)) * _UNITS[match.group(2).lower()]
-
-
-def _load_script(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise PipelineConfigError(f"{path!r} is not a file; give path/to/script.py:ModelClass.")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    spec = importlib.util.spec_from_file_location("_mmpp_plan_target", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sample_batch(script: Any, batch_size: int) -> Any:
-    if callable(getattr(script, "sample_batch", None)):
-        return script.sample_batch(batch_size)
-    from torch.utils.data import Dataset, default_collate
-
-    for value in vars(script).values():
-        if inspect.isclass(value) and issubclass(value, Dataset) and value.__module__ == script.__name__:
-            try:
-                dataset = value(batch_size)
-            except TypeError:
-                continue
-            return default_collate([dataset[i] for i in range(batch_size)])
-    raise PipelineConfigError(
-        f"{script.__file__}: found no way to make a sample batch; define sample_batch(batch_size) in the script "
-        "(returning one collated batch), or a Dataset class whose constructor takes the dataset size."
-    )
-
-
-def load_target(target: str, batch_size: int) -> tuple[Any, Any, Any]:
-    """``(model class, sample batch, topology)`` of ``script.py:ModelClass`` (see the module docstring)."""
-    path, sep, cls_name = target.rpartition(":")
-    if not sep:
-        raise PipelineConfigError(f"{target!r}: give path/to/script.py:ModelClass (or --profile profile.json).")
-    script = _load_script(path)
-    cls = getattr(script, cls_name, None)
-    if cls is None:
-        raise PipelineConfigError(f"{path} defines no {cls_name!r}.")
-    topology = getattr(cls, "pipeline_topology", None) or getattr(script, "TOPOLOGY", None)
-    return cls, _sample_batch(script, batch_size), topology
 
 
 def profile_target(target: str, batch_size: int, device: str, repeats: Optional[int], bandwidth: Optional[float],
@@ -244,8 +200,10 @@ def _validate(args: argparse.Namespace, plans: list[Any]) -> list[Any]:
     trained here on the sample batch."""
     from lightning_mmpp.plan.validate import measure_steps
 
-    cls, batch, _ = load_target(args.target, plans[0].batch_size)
-    return measure_steps([(cls, batch, plan) for plan in plans], steps=args.validate_steps, device=args.device,
+    _, batch, _ = load_target(args.target, plans[0].batch_size)
+    path, _, cls_name = args.target.rpartition(":")
+    make = ScriptModel(os.path.abspath(path), cls_name)
+    return measure_steps([(make, batch, plan) for plan in plans], steps=args.validate_steps, device=args.device,
                          launches=args.launches or VALIDATE_LAUNCHES)
 
 

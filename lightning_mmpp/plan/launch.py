@@ -1,7 +1,7 @@
 """Run a function on ``world_size`` local processes, for calibration and plan validation (torch).
 
-:func:`run_local` starts one process per rank on this machine (``fork`` on CPU, cheap;
-``spawn`` on CUDA, where a CUDA context does not survive a fork), sets the torch.distributed /
+:func:`run_local` starts one process per rank on this machine (see :func:`start_method`: ``fork``
+where that is safe, cheap and needs nothing pickled; ``spawn`` otherwise), sets the torch.distributed /
 torchelastic environment variables so that a Lightning ``Trainer`` inside recognises its rank
 (``TorchElasticEnvironment``) and initialises the process group itself, runs
 ``fn(rank, world_size, *args)`` and returns the per-rank results. One overall deadline; on the
@@ -24,7 +24,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["rank_threads", "run_local"]
+from lightning_mmpp.errors import PipelineConfigError
+
+__all__ = ["rank_threads", "run_local", "start_method"]
 
 
 def rank_threads(world_size: int) -> int:
@@ -33,15 +35,31 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def start_method(world_size: int, device: str) -> str:
+    """How :func:`run_local` starts its ``world_size`` processes on ``device``.
+
+    ``"spawn"`` on CUDA (a CUDA context does not survive a fork) and on CPU where a rank gets
+    more than one intra-op thread: a forked process hangs in its first OpenMP parallel region
+    once its parent has run one (GNU libgomp's thread pool does not survive a fork; torch's
+    DataLoader workers run one thread for the same reason), and the parent here has usually
+    just profiled the model on several threads. ``"fork"`` otherwise: one thread per rank never
+    starts an OpenMP team, and a fork is cheap and pickles nothing."""
+    if device.startswith("cuda") or rank_threads(world_size) > 1:
+        return "spawn"
+    return "fork"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _worker(conn: Any, fn: Callable[..., Any], rank: int, world_size: int, port: int, device: str,
-            args: tuple[Any, ...]) -> None:
+def _worker(conn: Any, work: Any, rank: int, world_size: int, port: int, device: str) -> None:
+    """One rank: ``work`` is ``(fn, args)``, pickled (bytes) for a spawned process so that a
+    failure to rebuild it comes back as this rank's traceback."""
     try:
+        fn, args = pickle.loads(work) if isinstance(work, bytes) else work
         os.environ.update({
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
@@ -74,17 +92,34 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
               timeout: float = 300.0) -> list[Any]:
     """``[fn(rank, world_size, *args) for every rank]``, each on its own process (see the module docstring).
 
-    ``fn`` and ``args`` must pickle when ``device`` is CUDA (spawned workers); results always.
+    ``fn`` and ``args`` must pickle, and rebuild in a fresh process, where the processes are
+    spawned (:func:`start_method`): on CUDA, and on CPU where a rank gets several threads; the
+    results always.
 
     Raises:
+        PipelineConfigError: ``fn`` or ``args`` do not pickle and the processes are spawned.
         RuntimeError: a rank raised or died, or the deadline passed (the tracebacks included).
     """
-    ctx = multiprocessing.get_context("spawn" if device.startswith("cuda") else "fork")
+    method = start_method(world_size, device)
+    work: Any = (fn, args)
+    if method == "spawn":
+        try:
+            work = pickle.dumps(work)
+        except Exception as err:  # noqa: BLE001 - any pickling failure, named below
+            raise PipelineConfigError(
+                f"measuring on {world_size} local process(es) on {device} starts fresh processes (spawn"
+                + ("" if device.startswith("cuda") else f": each rank runs {rank_threads(world_size)} threads, which a "
+                   "forked process cannot after its parent did")
+                + f"), so the function and its arguments must pickle; {type(err).__name__}: {err}. Define the "
+                "model class (or the make_model factory) at module level of an importable module, not inside a "
+                "function or as a lambda."
+            ) from err
+    ctx = multiprocessing.get_context(method)
     port = _free_port()
     procs, conns = [], {}
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(child, fn, rank, world_size, port, device, args), daemon=True)
+        proc = ctx.Process(target=_worker, args=(child, work, rank, world_size, port, device), daemon=True)
         proc.start()
         child.close()
         procs.append(proc)
