@@ -238,7 +238,8 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
         threads = torch.get_num_threads()
         # what a worker would run: Lightning shares the cores out unless OMP_NUM_THREADS is set,
         # when the worker keeps this process's setting
-        due = threads if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // self._strategy.num_processes)
+        shared_out = max(1, (os.cpu_count() or 1) // self._strategy.num_processes)
+        due = threads if "OMP_NUM_THREADS" in os.environ else shared_out
         if due == 1 or threads == 1:
             return None
         warnings.warn(FORKED_WORKERS_ONE_THREAD.format(due=due, threads=threads), stacklevel=3)
