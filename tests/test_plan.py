@@ -705,3 +705,20 @@ def test_a_script_model_pickles_as_its_path_and_builds_its_class():
     make = pickle.loads(pickle.dumps(ScriptModel(path, "VisionAudioLM")))
     cls, _, _ = load_target(f"{path}:VisionAudioLM", 4)
     assert type(make()) is cls  # the script is loaded once per process
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_cli_validates_where_one_rank_gets_every_core(tmp_path, capsys):
+    """--world-size 1 --validate: the rank gets the cores (several threads), so the measuring
+    process is spawned and rebuilds the script's model from its path (it hung when forked)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: the rank must get several threads")
+    cal_path = tmp_path / "cal.json"
+    _calibration().to_json(cal_path)
+    target = os.path.join(ROOT, "examples", "train_multimodal.py") + ":VisionAudioLM"
+    assert cli_main([target, "--world-size", "1", "--batch-size", "8", "--repeats", "1", "--top-k", "1",
+                     "--calibration", str(cal_path), "--validate", "1", "--validate-steps", "2",
+                     "--launches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured here through Trainer.fit" in out and "measured/predicted" in out
