@@ -336,6 +336,7 @@ def test_launchers_override_what_lightning_calls():
     assert params(base, "_wrapping_function")[:2] == ["self", "process_idx"]
     assert "_set_num_threads_if_needed" in inspect.getsource(base._wrapping_function)
     assert "OMP_NUM_THREADS" in inspect.getsource(_set_num_threads_if_needed)
+    assert "_suggested_max_num_threads(" in inspect.getsource(_set_num_threads_if_needed)
 
 
 class _Counter(L.Callback):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _suggested_max_num_threads,
     _sync_ddp_if_available,
 )
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
@@ -236,10 +237,9 @@ class PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
         if self._start_method != "fork" or self._strategy.root_device.type != "cpu":
             return None
         threads = torch.get_num_threads()
-        # what a worker would run: Lightning shares the cores out unless OMP_NUM_THREADS is set,
+        # what a worker would run: Lightning's share of the cores unless OMP_NUM_THREADS is set,
         # when the worker keeps this process's setting
-        shared_out = max(1, (os.cpu_count() or 1) // self._strategy.num_processes)
-        due = threads if "OMP_NUM_THREADS" in os.environ else shared_out
+        due = threads if "OMP_NUM_THREADS" in os.environ else _suggested_max_num_threads(self._strategy.num_processes)
         if due == 1 or threads == 1:
             return None
         warnings.warn(FORKED_WORKERS_ONE_THREAD.format(due=due, threads=threads), stacklevel=3)
