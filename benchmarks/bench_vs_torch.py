@@ -28,6 +28,12 @@ that moves far less with the load of a shared machine than the step time does. B
 Python function calls per step of each (counted by ``cProfile`` over 5 further steps): a count
 that does not depend on the machine at all.
 
+``--launches N``: the 4-stage chain, 1F1B, each of ours, ours with ``static_shapes`` and torch
+alone in a launch of ``--steps`` steps (after 10 untimed), the three taking turns N times: no
+pipeline runs between another's steps (interleaved, each pipeline's steps also change what the
+next one finds: the other's buffers, pages and gloo state; torch's step is 10-20% shorter there
+than alone).
+
 ``--zero-bubble``: the same 4-stage chain with :class:`~benchmarks.common.SplitSleepStage`
 (forward ``tf``, input gradient ``tb``, weight gradient ``--tw``): our ``zero_bubble`` against
 torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank (it accepts that; its
@@ -61,7 +67,8 @@ from lightning_mmpp.core.schedule import build_schedule  # noqa: E402
 from lightning_mmpp.core.simulator import simulate  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    OurPipeline, SleepStage, SplitSleepStage, chain, interleaved, machine, median, section, table, two_encoders,
+    OurPipeline, SleepStage, SplitSleepStage, chain, gather_max, interleaved, machine, median, section, table,
+    two_encoders,
 )
 from tests.dist import run_distributed  # noqa: E402
 
@@ -322,6 +329,39 @@ def worker_dag(rank: int, world: int, m: int, tf: float, tb: float, rounds: int,
     return interleaved(runs, rounds, steps)
 
 
+def worker_launch(rank: int, world: int, m: int, tf: float, tb: float, who: str, steps: int) -> list[float]:
+    """One pipeline alone in this launch: ``steps`` 1F1B steps (after 10 untimed), each from a
+    barrier; the slowest rank's seconds per step."""
+    if who == "torch":
+        theirs = TorchPipeline(rank, world, m, tf, tb)
+        step = lambda: theirs.step("1f1b")  # noqa: E731
+    else:
+        ours = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=MB_SHAPE, static_specs=who == "ours static")
+        step = lambda: ours.step("1f1b")[0]  # noqa: E731
+    for _ in range(10):
+        step()
+    return gather_max([step() for _ in range(steps)])
+
+
+def launches(args: argparse.Namespace) -> None:
+    """The 4-stage chain, 1F1B: ours (plain, static_shapes) and torch each alone in a launch of
+    ``--steps`` steps, the three taking turns ``--launches`` times; per launch the median step
+    (slowest rank), and over the launches the median of each and of ours / torch per turn."""
+    print(f"$ python benchmarks/bench_vs_torch.py --launches {args.launches} --steps {args.steps} --tf {args.tf:g} "
+          f"--tb {args.tb:g}  (m={args.m}, microbatch float32 {list(MB_SHAPE)}; {machine()})")
+    section("Chain of 4 stages, 1F1B: each pipeline alone in its launch, launches taking turns")
+    runs = ("ours", "ours static", "torch")
+    per: dict[str, list[float]] = {who: [] for who in runs}
+    for _ in range(args.launches):
+        for who in runs:
+            times = run_distributed(worker_launch, 4, args.m, args.tf, args.tb, who, args.steps, timeout=600)[0]
+            per[who].append(median(times))
+    rows = [(who, *(f"{t * 1e3:.2f}" for t in per[who]), median(per[who]) * 1e3,
+             "" if who == "torch" else median([a / b for a, b in zip(per[who], per["torch"])])) for who in runs]
+    print(table(["run", *(f"launch {i + 1} ms" for i in range(args.launches)), "median ms", "ours/torch (median)"],
+                rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=8)
@@ -334,7 +374,12 @@ def main() -> None:
     parser.add_argument("--tw", type=float, default=0.020, help="--zero-bubble: weight-gradient seconds")
     parser.add_argument("--cpu", action="store_true", help="CPU time per step of ours and torch on the 4-stage chain")
     parser.add_argument("--virtual", action="store_true", help="virtual stages (interleaved_1f1b) only")
+    parser.add_argument("--launches", type=int, default=0,
+                        help="the 4-stage chain only, each pipeline alone in its launch of --steps steps, N turns")
     args = parser.parse_args()
+    if args.launches:
+        launches(args)
+        return
     if args.zero_bubble:
         zero_bubble(args)
         return

@@ -102,18 +102,21 @@ def _runtime_grads(rank: int, world: int) -> dict:
     layout = PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=2)}, {"enc": ["llm"], "llm": []})
     data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     out: dict = {}
-    for overlap, static in ((True, False), (False, False), (True, True)):
+    for overlap, static, ahead in ((True, False, 2), (False, False, 2), (True, True, 2), (True, True, 0)):
         torch.manual_seed(0)
         stages = {"enc": nn.Linear(8, 8), "llm": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))}
         slot = layout.slots(rank)[0]
         layer = stages[slot.module] if slot.module == "enc" else stages["llm"][slot.stage]
         runner = StageRunner(slot.module, slot.stage, [layer], ["0"])
         comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static)
-        runtime = PipelineRuntime(layout, rank, comm, {slot.module: runner}, _Hooks(), overlap=overlap)
+        runtime = PipelineRuntime(layout, rank, comm, {slot.module: runner}, _Hooks(), overlap=overlap,
+                                  receive_ahead=ahead)
         for name in ("1f1b", "gpipe", "zero_bubble"):
             runtime.run(build_schedule(layout, 6, name), lambda module, k: data[k])
-        out[(overlap, static)] = {n: p.grad.clone() for n, p in layer.named_parameters()}
-        out[("metadata", static)] = comm.stats.metadata_exchanges
+        out[(overlap, static, ahead)] = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        out[("ahead", overlap, static, ahead)] = comm.stats.receives_ahead
+        if ahead:
+            out[("metadata", static)] = comm.stats.metadata_exchanges
         if not static:  # an evaluation step: its forward specs wait for no backward
             runtime.run(build_schedule(layout, 6, "gpipe", forward_only=True), lambda module, k: data[k])
             out[("left after eval", overlap)] = comm.pending_backward()
@@ -122,15 +125,69 @@ def _runtime_grads(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(60)
 def test_overlapped_runtime_matches_blocking():
-    """... and with static shapes (headers checked once per step) too."""
+    """... and with static shapes (headers checked once per step) too, with and without
+    receives posted ahead of their exchange."""
     for rank, out in enumerate(run_distributed(_runtime_grads, 3, timeout=60)):
-        blocking = out[(False, False)]
-        for mode in ((True, False), (True, True)):
+        blocking = out[(False, False, 2)]
+        for mode in ((True, False, 2), (True, True, 2), (True, True, 0)):
             assert out[mode].keys() == blocking.keys()
             assert all(torch.equal(out[mode][n], blocking[n]) for n in blocking), (rank, mode)
         assert out[("metadata", True)] == out[("metadata", False)]  # only the first message of a channel
+        # posted ahead: gradients whenever a rank receives them (ranks 0, 1), forward inputs only
+        # with static shapes (ranks 1, 2); never in blocking mode or with receive_ahead=0
+        assert out[("ahead", False, False, 2)] == out[("ahead", True, True, 0)] == 0, (rank, out)
+        assert (out[("ahead", True, False, 2)] > 0) == (rank < 2), (rank, out)
+        more = out[("ahead", True, True, 2)] - out[("ahead", True, False, 2)]
+        assert (more > 0) == (rank > 0), (rank, out)  # rank 0 (enc) receives no forward input
         # the runtime ends every step with the communicator's finish_step
         assert [v for k, v in out.items() if k[0] == "left after eval"] == [0, 0], (rank, out)
+
+
+def _ahead(rank: int, world: int) -> dict:
+    """``post_ahead`` on two stages: what it takes ahead and what it leaves to ``post``."""
+    out: dict = {}
+    for static in (False, True):
+        comm = _two_stages(rank, static_specs=static)
+        fwd = {k: MessageKey(F, "a", "a", k) for k in range(3)}
+        bwd = {k: MessageKey(B, "a", "a", k) for k in range(3)}
+        value = {k: torch.full((2, 3), float(k), requires_grad=True) for k in range(3)}
+        if rank == 0:
+            out[("grad before its forward", static)] = comm.post_ahead(bwd[0])
+            comm.post({fwd[0]: value[0]}, [])
+            out[("grad after its forward", static)] = comm.post_ahead(bwd[0])
+            comm.post({fwd[1]: value[1], fwd[2]: value[2]}, [bwd[1]])  # posted in its exchange
+            out[("grad 2", static)] = comm.post_ahead(bwd[2])
+            out[("twice", static)] = comm.post_ahead(bwd[2])
+            out[("grads", static)] = [comm.take(bwd[k]).sum().item() for k in (2, 0, 1)]
+        else:
+            out[("first, no spec", static)] = comm.post_ahead(fwd[0])
+            comm.post({}, [fwd[0]])
+            got = [comm.take(fwd[0])]
+            out[("next, spec cached", static)] = ahead = comm.post_ahead(fwd[1])
+            comm.post({}, [fwd[2]] if ahead else [fwd[1], fwd[2]])
+            got += [comm.take(fwd[k]) for k in (2, 1)]
+            out[("inputs", static)] = [g.sum().item() for g in got]
+            comm.post({bwd[k]: torch.full((2, 3), 10.0 + k) for k in (2, 0, 1)}, [])
+        comm.wait_sends()
+        out[("counted", static)] = comm.stats.receives_ahead
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_receives_posted_ahead_only_where_whole_in_one_part():
+    """A gradient is posted ahead once its forward was sent; a forward input only with static
+    shapes and a cached spec; the same message never twice; the payloads are the same."""
+    sender, receiver = run_distributed(_ahead, 2, timeout=60)
+    for static in (False, True):
+        assert sender[("grad before its forward", static)] is False
+        assert sender[("grad after its forward", static)] is True and sender[("grad 2", static)] is True
+        assert sender[("twice", static)] is False
+        assert sender[("grads", static)] == [6 * 12.0, 6 * 10.0, 6 * 11.0]
+        assert sender[("counted", static)] == 2
+        assert receiver[("first, no spec", static)] is False
+        assert receiver[("next, spec cached", static)] is static
+        assert receiver[("inputs", static)] == [0.0, 6 * 2.0, 6 * 1.0]
+        assert receiver[("counted", static)] == int(static)
 
 
 def _static(rank: int, world: int) -> dict:

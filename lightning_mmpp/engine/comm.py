@@ -133,7 +133,8 @@ class CommStats:
     ``messages_*`` / ``bytes_*`` count point-to-point transfers (metadata parts included);
     ``metadata_exchanges`` counts spec transfers this rank took part in (sent or received);
     ``local_handovers`` counts payloads or gradients handed to a same-rank peer without bytes;
-    ``rounds`` counts batched P2P calls.
+    ``rounds`` counts batched P2P calls; ``receives_ahead`` the receives posted ahead of their
+    exchange (:meth:`MultiModuleCommunicator.post_ahead`).
     """
 
     messages_sent: int = 0
@@ -143,6 +144,7 @@ class CommStats:
     metadata_exchanges: int = 0
     local_handovers: int = 0
     rounds: int = 0
+    receives_ahead: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -194,31 +196,36 @@ class _Incoming:
         self.buffer: Optional[torch.Tensor] = None
         self.lent: Optional[_LentBuffer] = None  # the pooled memory of a data part's packed buffer
         self.direct: list[torch.Tensor] = []  # the direct leaves' buffers of a data part
+        # the data part's leaves (views into its buffers), made when its buffers are: before the
+        # wait, so the take that follows the wait only reads the header
+        self.received: Optional[list[Optional[torch.Tensor]]] = None
         self.done = False
 
     def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         """The buffers of the next part, in the order the sender sends them."""
         raise NotImplementedError
 
-    def data_buffers(self, wire: WireLayout, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
+    def data_buffers(self, spec: PayloadSpec, wire: WireLayout, device: torch.device,
+                     pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         """A data part's buffers: the packed one, then one per direct leaf (each pooled by its
-        own slot of the channel)."""
+        own slot of the channel). The leaves the part will hold (:meth:`leaves`) are made here,
+        as views, while nothing waits for them yet."""
         slot = self.channel_slot
         self.buffer, self.lent = pool.get_lent(slot, wire.packed.nbytes, device)
         self.direct = [pool.get((*slot, index), meta.nbytes, device)
                        for index, meta in zip(wire.direct_indices, wire.direct_metas)]
-        return [self.buffer, *self.direct]
-
-    def leaves(self, spec: PayloadSpec, wire: WireLayout) -> list[Optional[torch.Tensor]]:
-        """The received message's leaves (views into its buffers), ``None`` where nothing travels."""
-        assert self.buffer is not None
         leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
-        # the buffer was made for this layout (next_buffers / data_buffers)
         for index, tensor in zip(wire.packed.indices, unpack(self.buffer, wire.packed, checked=False)):
             leaves[index] = tensor
         for index, meta, buffer in zip(wire.direct_indices, wire.direct_metas, self.direct):
             leaves[index] = direct_leaf(buffer, meta)
-        return leaves
+        self.received = leaves
+        return [self.buffer, *self.direct]
+
+    def leaves(self) -> list[Optional[torch.Tensor]]:
+        """The received data part's leaves (views into its buffers), ``None`` where nothing travels."""
+        assert self.buffer is not None and self.received is not None, "leaves() of a data part that was not posted"
+        return self.received
 
     def steady(self) -> bool:
         """Whether the received buffer is the whole message when the spec did not change."""
@@ -276,8 +283,8 @@ class _ForwardIncoming(_Incoming):
     def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
         if self.part in (_Part.DATA, _Part.NEW_DATA):
             assert self.spec is not None
-            return self.data_buffers(self.spec.wire(False, self.direct_bytes), device, pool)
-        self.direct, self.lent = [], None
+            return self.data_buffers(self.spec, self.spec.wire(False, self.direct_bytes), device, pool)
+        self.direct, self.lent, self.received = [], None, None
         if self.part is _Part.LENGTH:
             self.buffer = torch.empty(1, dtype=torch.int64, device=device)
         else:
@@ -331,7 +338,7 @@ class _BackwardIncoming(_Incoming):
         self.wire: WireLayout = spec.wire(True, direct_bytes)
 
     def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
-        return self.data_buffers(self.wire, device, pool)
+        return self.data_buffers(self.spec, self.wire, device, pool)
 
     def steady(self) -> bool:
         return True
@@ -570,11 +577,11 @@ class MultiModuleCommunicator:
 
         Sends are packed (into the channel's previous buffer when it fits) and handed to the
         backend at once; they complete in the background until the next :meth:`post` (or
-        :meth:`wait_sends`) waits for them. Receives are posted in the same batch as the sends
-        and completed by :meth:`take`, where their payload is needed, so the transfer runs
-        while this rank computes. A receive from a peer that still has a posted, unfinished
-        group of messages to this rank first finishes that group: a message whose spec changed
-        needs further parts, and per-pair in-order matching must see them before anything later.
+        :meth:`wait_sends`) waits for them. Receives are completed by :meth:`take`, where their
+        payload is needed, so the transfer runs while this rank computes. A receive from a peer
+        that still has a posted, unfinished group of messages to this rank first finishes that
+        group: a message whose spec changed needs further parts, and per-pair in-order matching
+        must see them before anything later.
         """
         recvs = list(recvs)
         self._packed = set()
@@ -594,20 +601,13 @@ class MultiModuleCommunicator:
         saved = (dict(self._send_cache), dict(self._sent), dict(self._received), dict(self._mailbox),
                  dict(vars(self.stats)))
         outgoing: list[_Outgoing] = []
-        pending: list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]] = []
-        incoming: list[_Incoming] = []
         try:
             for key, payload in sends.items():
                 if key.direction == FORWARD:
                     self._plan_forward_send(key, payload, outgoing)
                 else:
                     self._plan_backward_send(key, payload, outgoing)
-            for key in recvs:
-                if key in self._inbox:
-                    raise RuntimeError(f"rank {self.rank}: '{_describe(key)}' is posted twice without a take()")
-                sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
-                pending.append((key, sources))
-                incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
+            pending, incoming = self._plan_receives(recvs)
         except BaseException:
             self._send_cache, self._sent, self._received, self._mailbox, stats = saved
             vars(self.stats).update(stats)
@@ -616,6 +616,61 @@ class MultiModuleCommunicator:
         for key, sources in pending:
             peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
             self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
+
+    def post_ahead(self, key: MessageKey) -> bool:
+        """Post the receive of ``key`` now, ahead of the exchange that names it, where that is
+        safe; return whether it was posted (:meth:`take` then completes it as any other).
+
+        gloo's point-to-point protocol is a rendezvous: a send whose receive is not posted yet
+        waits for the receiver's notice, a round trip of both ends' transport threads, before
+        any byte moves. A receive posted early lets the peer's data land while this rank still
+        computes (``benchmarks/README.md``: free stages, 4-stage chain).
+
+        Posted only where the message is whole in its first part, so that nothing posted later
+        from its peer can meet a further part of it: a gradient (never metadata), or a forward
+        message with ``static_specs`` on a channel whose spec is cached; and only where every
+        source is on another rank, no earlier message from those peers may still need further
+        parts (a changed spec's length, spec and data come next on the pair), and the backend
+        posts op by op (CPU: on NCCL a receive posted alone would hold the stream the rank's
+        sends go on). Nothing is waited for. The receives of one peer must be posted in the
+        order of its sends, as for :meth:`post`: the runtime posts ahead in schedule order and
+        stops at the first receive refused.
+        """
+        if self.device.type != "cpu" or key in self._inbox:
+            return False
+        if key.direction == FORWARD:
+            if not self.static_specs:
+                return False  # a changed spec's further parts would follow it on the pair
+            _, peers = self._sources(key)
+            if any(peer.rank == self.rank or peer.rank in self._open
+                   or _channel(peer.rank, self.rank, key, self._training) not in self._recv_cache for peer in peers):
+                return False
+            sources = self._plan_forward_recv(key)
+        else:
+            if key.edge not in self._sent:
+                return False  # its forward was not sent yet: the gradient's layout is unknown
+            _, peers = self._targets(key)
+            if any(peer.rank == self.rank or peer.rank in self._open for peer in peers):
+                return False
+            sources = self._plan_backward_recv(key)
+        groups = self._post_batch([], [src for _, (kind, src) in sources if kind is _Origin.REMOTE])
+        self._inbox[key] = (sources, [groups[peer] for peer in sorted(groups)])
+        self.stats.receives_ahead += 1
+        return True
+
+    def _plan_receives(
+        self, recvs: list[MessageKey]
+    ) -> tuple[list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]], list[_Incoming]]:
+        """Each receive's sources, and the messages to post for those on other ranks."""
+        pending: list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]] = []
+        incoming: list[_Incoming] = []
+        for key in recvs:
+            if key in self._inbox:
+                raise RuntimeError(f"rank {self.rank}: '{_describe(key)}' is posted twice without a take()")
+            sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
+            pending.append((key, sources))
+            incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
+        return pending, incoming
 
     def take(self, key: MessageKey) -> Any:
         """The payload of a receive posted by :meth:`post`, waiting for it if it has not arrived."""
@@ -1060,8 +1115,15 @@ class MultiModuleCommunicator:
                 self._pending_sends.extend((w, None, False) for w in works)
                 for peer, msgs in by_peer.items() if recvs else ():
                     groups[peer] = _Group(peer, msgs, list(msgs), list(works))
-        self._open.update(groups)
+        self._open.update({peer: g for peer, g in groups.items() if not all(map(self._whole_at_once, g.messages))})
         return groups
+
+    def _whole_at_once(self, msg: _Incoming) -> bool:
+        """Whether ``msg`` is whole in its first part whatever its sender sends: a gradient (never
+        metadata), or with ``static_specs`` a forward message on a channel whose spec is cached
+        (a sender whose spec changes raises instead). Nothing later from its peer can then be
+        matched with a further part of it, so its group need not be complete first."""
+        return isinstance(msg, _BackwardIncoming) or (self.static_specs and msg.steady())
 
     def _post_parts(self, sends: list[tuple[torch.Tensor, int]],
                     recvs: list[tuple[torch.Tensor, int]]) -> list[Any]:
@@ -1149,7 +1211,7 @@ class MultiModuleCommunicator:
             else:
                 assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
                 spec = src.spec
-                leaves = src.leaves(spec, spec.wire(False, self.direct_leaf_bytes))
+                leaves = src.leaves()
             chunks.append(leaves)
             states.append(_PeerState(peer.rank, peer.chunk, spec))
         if len(chunks) == 1:
@@ -1191,7 +1253,7 @@ class MultiModuleCommunicator:
                 grads.append(src)
                 continue
             assert isinstance(src, _BackwardIncoming) and src.buffer is not None
-            leaves = src.leaves(src.spec, src.wire)
+            leaves = src.leaves()
             grads.append(leaves[0] if src.spec.single_tensor is not None else src.spec.unflatten(leaves))
         if len(grads) == 1:
             return grads[0]

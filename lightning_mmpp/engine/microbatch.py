@@ -334,6 +334,7 @@ class BatchSplitter:
         self.divisor = layout.batch_divisor
         self._largest: dict[StepKind, int] = {}
         self.routing: Optional[SampleRouting] = None
+        self._replicas: dict[str, int] = {}  # module -> this rank's replica of it
 
     def split(self, batch: Any, kind: StepKind) -> tuple[int, Callable[[str, int], Any]]:
         """``(m, shard)``: the microbatch count, and ``shard(module, k)``, the part of microbatch
@@ -342,13 +343,30 @@ class BatchSplitter:
         largest = self._largest.get(kind, 0)
         m = microbatch_count(size, self.num_microbatches, self.divisor, short=size < largest)
         self._largest[kind] = max(largest, size)
-        micro = split_microbatches(batch, m)
         per = size // m
+        # the batch's fields flattened once; microbatch k's are sliced from them when first asked for
+        leaves, spec = _fields(batch)
+        fields: dict[int, list[Any]] = {}
+
+        def micro_fields(k: int) -> list[Any]:
+            got = fields.get(k)
+            if got is None:
+                got = fields[k] = [_slice_field(leaf, slice(k * per, (k + 1) * per), size) for leaf in leaves]
+            return got
+
+        micro = [spec.unflatten(micro_fields(k)) for k in range(m)] if self.layout.balanced_modules else []
         routing = self.routing = sample_routing(self.layout, micro, per)
 
         def shard(module: str, k: int) -> Any:
-            slot = self.layout.slot(self.rank, module)
-            assert slot is not None, f"rank {self.rank} holds no stage of {module!r}"
-            return unwrap_unsplit(slice_batch(micro[k], routing.shard(module, slot.replica, k), per))
+            # called per forward (and per loss): one pass over the microbatch's fields, slicing
+            # each and unwrapping Unsplit, into a fresh container every call
+            replica = self._replicas.get(module)
+            if replica is None:
+                slot = self.layout.slot(self.rank, module)
+                assert slot is not None, f"rank {self.rank} holds no stage of {module!r}"
+                replica = self._replicas[module] = slot.replica
+            index = routing.shard(module, replica, k)
+            return spec.unflatten([leaf.value if isinstance(leaf, Unsplit) else _slice_field(leaf, index, per)
+                                   for leaf in micro_fields(k)])
 
         return m, shard

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from lightning_mmpp.torch_api import tree_flatten, tree_map
 
-from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule, Transfer
+from lightning_mmpp.core.actions import Compute, Direction, Exchange, MessageKey, Phase, Schedule
 from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError, PipelineError
 from lightning_mmpp.engine.failures import FailureBoard
 from lightning_mmpp.engine.sharding import forward_parameters
@@ -92,6 +92,9 @@ class Communicator(Protocol):
 
     def take(self, key: MessageKey) -> Any: ...
 
+    # post a later exchange's receive now where that is safe; whether it was posted
+    def post_ahead(self, key: MessageKey) -> bool: ...
+
     # the start of a step: training (backwards follow) or forward-only, the same on every rank
     def begin_step(self, training: bool) -> None: ...
 
@@ -124,6 +127,9 @@ class StepResult:
 
 TOKEN_LOSS = "loss_sum"
 TOKEN_COUNT = "num_tokens"
+
+# exchanges whose receives are posted ahead (see PipelineRuntime's ``receive_ahead``)
+RECEIVE_AHEAD = 2
 
 
 def is_token_loss(result: Any) -> bool:
@@ -253,10 +259,11 @@ class StageExecutor:
         self.module = runner.module
         self.stage = runner.stage
         self.unit = (runner.module, chunk)  # which of the rank's stages of the module it is
+        self.where = f"module {self.module!r} stage {self.stage}"  # names the stage in errors
 
     def forward(self, x: Any, track_grad: bool, split: bool) -> tuple[Any, Optional[list[_LayerPiece]]]:
         """The stage output for input ``x``; with ``split`` also the per-layer graph pieces."""
-        where = f"module {self.module!r} stage {self.stage}"
+        where = self.where
         if not track_grad:
             with torch.no_grad():
                 return run_ragged(self.runner, x, where), None
@@ -343,6 +350,11 @@ class PipelineRuntime:
             receives it consumes (its inputs, its output gradients), so transfers run beside
             the computes in between. ``False``: every exchange waits for its receives (and its
             previous sends) before the next action, for comparison.
+        receive_ahead: with ``overlap``, after each exchange the receives of up to this many
+            later exchanges are posted already, in the schedule's order, as far as the
+            communicator allows (:meth:`~lightning_mmpp.engine.comm.MultiModuleCommunicator.post_ahead`):
+            a peer's data then lands while this rank computes instead of waiting for the
+            receive's notice. Each receive posted ahead holds its buffer from then on. 0: none.
     """
 
     def __init__(
@@ -357,8 +369,12 @@ class PipelineRuntime:
         failures: FailureBoard | None = None,
         gradient_sync: GradientSync | None = None,
         overlap: bool = True,
+        receive_ahead: int = RECEIVE_AHEAD,
     ) -> None:
+        if not isinstance(receive_ahead, int) or receive_ahead < 0:
+            raise PipelineConfigError(f"receive_ahead={receive_ahead!r}: give a number of exchanges >= 0.")
         self.overlap = overlap
+        self.receive_ahead = receive_ahead if overlap else 0
         self.gradient_sync = gradient_sync if gradient_sync is not None else _NoGradientSync()
         self.no_backward_modules = frozenset(no_backward_modules)
         self.failures = failures if failures is not None else FailureBoard(layout, rank, 1)
@@ -406,12 +422,17 @@ class PipelineRuntime:
         # gradients upstream (other ranks wait for those first) or, where a compute comes next,
         # before that compute (the sum then runs beside it instead of after the pipeline)
         finished: list[str] = []
+        if self.receive_ahead:
+            self._post_ahead(step, program, 0)
         for action, prepared in zip(actions, program.steps):
             try:
                 exchange = isinstance(prepared, _PreparedExchange)
                 if exchange:
                     self._exchange(step, prepared)
-                self._start_sums(finished)
+                    if self.receive_ahead:
+                        self._post_ahead(step, program, prepared.ordinal + 1)
+                if finished:
+                    self._start_sums(finished)
                 if exchange:
                     continue
                 if prepared.gradient:
@@ -438,6 +459,31 @@ class PipelineRuntime:
         assert not step.posted, f"receives posted and never consumed: {step.posted}"
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
+
+    def _post_ahead(self, step: "_StepState", program: "_Program", position: int) -> None:
+        """Post ahead the receives of the exchanges ``position`` .. ``position + receive_ahead``
+        (ordinals), in schedule order, up to the first the communicator does not take ahead (the
+        receives from a peer must be posted in the order of its sends); the rest are posted by
+        their own exchanges."""
+        receives, limit = program.receives, position + self.receive_ahead
+        while step.ahead_cursor < len(receives):
+            ordinal, consumer, key, peer = receives[step.ahead_cursor]
+            if ordinal < position:  # its own exchange ran (and posted it, if it was not ahead)
+                step.ahead_cursor += 1
+                continue
+            if ordinal >= limit:
+                return
+            try:
+                posted = self.comm.post_ahead(key)
+            except RuntimeError as err:
+                raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
+            if not posted:
+                return
+            step.ahead.add(key)
+            step.posted.setdefault(consumer, {})[key] = peer
+            if self.tracer.enabled:
+                step.posted_ns[key] = time.time_ns()
+            step.ahead_cursor += 1
 
     def _start_sums(self, finished: list[str]) -> None:
         """Start the gradient sums of the ``finished`` modules (and empty the list)."""
@@ -476,9 +522,10 @@ class PipelineRuntime:
                 self._backward(step, stage, k)
 
     def _exchange(self, step: "_StepState", prepared: "_PreparedExchange") -> None:
-        action = prepared.action
         sends = self._collect_sends(step, prepared.send_keys)
         recv_keys = prepared.recv_keys
+        if step.ahead:
+            recv_keys = tuple(key for key in recv_keys if key not in step.ahead)
         with self.tracer.span("exchange", "comm", sends=len(sends), recvs=len(recv_keys)):
             try:
                 if self.overlap:
@@ -489,10 +536,11 @@ class PipelineRuntime:
                 raise self.failures.transport_failure(err, prepared.peers, prepared.first_microbatch) from err
         if self.overlap:
             for consumer, key, peer in prepared.consumers:
-                step.posted.setdefault(consumer, {})[key] = peer
+                if key not in step.ahead:
+                    step.posted.setdefault(consumer, {})[key] = peer
             if self.tracer.enabled:
                 now = time.time_ns()
-                step.posted_ns.update((t.key, now) for t in action.recvs)
+                step.posted_ns.update((key, now) for key in recv_keys)
             return
         for key, payload in got.items():
             self._store(step, key, payload)
@@ -679,6 +727,7 @@ class _PreparedExchange:
     consumers: tuple[tuple[tuple[str, int, int, Direction], MessageKey, int], ...]  # (consumer, key, peer)
     peers: frozenset[int]  # every rank it talks to (named when a transfer fails)
     first_microbatch: int  # the lowest microbatch it carries (failure reports)
+    ordinal: int  # its position among the rank's exchanges
 
 
 @dataclass(frozen=True)
@@ -702,6 +751,8 @@ class _Program:
     actions: tuple[Any, ...]
     steps: tuple[Any, ...]  # a _PreparedExchange or _PreparedCompute per action
     split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W
+    # every receive in schedule order: (its exchange's ordinal, consumer, key, peer)
+    receives: tuple[tuple[int, tuple[str, int, int, Direction], MessageKey, int], ...]
 
     @classmethod
     def lower(cls, actions: Sequence[Any]) -> "_Program":
@@ -710,15 +761,19 @@ class _Program:
         last_gradient = {a.module: index for index, a in enumerate(actions)
                          if isinstance(a, Compute) and a.phase in gradient_phases}
         steps: list[Any] = []
+        receives: list[tuple[int, tuple[str, int, int, Direction], MessageKey, int]] = []
+        ordinal = 0
         for index, action in enumerate(actions):
             if isinstance(action, Exchange):
                 transfers = action.sends + action.recvs
+                consumers = tuple((_consumer(t.key), t.key, t.peer) for t in action.recvs)
                 steps.append(_PreparedExchange(
                     action, tuple(dict.fromkeys(t.key for t in action.sends)),
-                    tuple(dict.fromkeys(t.key for t in action.recvs)),
-                    tuple((_consumer(t.key), t.key, t.peer) for t in action.recvs),
-                    frozenset(t.peer for t in transfers), min((t.microbatch for t in transfers), default=0),
+                    tuple(dict.fromkeys(t.key for t in action.recvs)), consumers,
+                    frozenset(t.peer for t in transfers), min((t.microbatch for t in transfers), default=0), ordinal,
                 ))
+                receives.extend((ordinal, consumer, key, peer) for consumer, key, peer in consumers)
+                ordinal += 1
             else:
                 direction = Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD
                 gradient = action.phase in gradient_phases
@@ -727,7 +782,7 @@ class _Program:
                     gradient and last_gradient[action.module] == index, action.microbatch,
                 ))
         split = frozenset(a.unit for a in actions if isinstance(a, Compute) and a.phase is Phase.BACKWARD_INPUT)
-        return cls(tuple(actions), tuple(steps), split)
+        return cls(tuple(actions), tuple(steps), split, tuple(receives))
 
 
 @dataclass
@@ -752,4 +807,6 @@ class _StepState:
     # receives posted and not taken yet: (consumer module, chunk, k, direction) -> {key: peer}
     posted: dict[tuple[str, int, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
     posted_ns: dict[MessageKey, int] = field(default_factory=dict)  # when each receive was posted (tracing)
+    ahead: set[MessageKey] = field(default_factory=set)  # receives posted ahead of their exchange
+    ahead_cursor: int = 0  # the next entry of the program's receives to consider posting ahead
     pieces: dict[_Unit, list[_LayerPiece]] = field(default_factory=dict)  # -> split graph

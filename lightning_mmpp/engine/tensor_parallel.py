@@ -239,6 +239,9 @@ class TensorParallelRelay:
             for leaf in tree_leaves(payload):
                 wait_collective(leaf)
 
+    def post_ahead(self, key: MessageKey) -> bool:
+        return self.is_lead and self.inner.post_ahead(key)  # the others receive nothing but the relay
+
     def take(self, key: MessageKey) -> Any:
         payload = self.inner.take(key) if self.is_lead else None
         return self._relay(key, payload)
