@@ -26,6 +26,9 @@ last gradients cross them back).
 receive buffer per message (the communicator's ``reuse_receive_buffers=False``) against the
 default pooled buffers.
 
+``--static`` adds, interleaved in the same rounds, the overlapped runtime with ``static_shapes``
+(every forward message whole in one part, so its receive is posted ahead of its exchange too).
+
 ``--direct`` adds, interleaved in the same rounds, the overlapped runtime with every leaf
 copied into the packed buffer (the communicator's ``direct_leaf_bytes`` above every payload)
 against the default, where a leaf of at least ``DIRECT_LEAF_BYTES`` (1 MiB) travels as a
@@ -78,21 +81,24 @@ def one_way_seconds(rank: int, nbytes: int, repeats: int = 11) -> float:
 
 
 def worker(rank: int, world: int, m: int, tf: float, tb: float, sizes: dict[str, int], rounds: int,
-           steps: int, trace_dir: Optional[str], pool_ablation: bool = False, direct_ablation: bool = False
-           ) -> tuple[dict[str, list[float]], dict[str, float]]:
+           steps: int, trace_dir: Optional[str], pool_ablation: bool = False, direct_ablation: bool = False,
+           static_ablation: bool = False) -> tuple[dict[str, list[float]], dict[str, float]]:
     raw = {label: one_way_seconds(rank, nbytes) for label, nbytes in sizes.items()}
     runs = {}
     packed = 1 << 62  # direct_leaf_bytes above any payload: every leaf copied into the packed buffer
-    modes = [("overlap", True, True, None), ("blocking", False, True, None)]
+    modes = [("overlap", True, True, None, False), ("blocking", False, True, None, False)]
     if pool_ablation:
-        modes.append(("overlap fresh", True, False, None))
+        modes.append(("overlap fresh", True, False, None, False))
     if direct_ablation:
-        modes.append(("overlap packed", True, True, packed))
+        modes.append(("overlap packed", True, True, packed, False))
+    if static_ablation:
+        modes.append(("overlap static", True, True, None, True))
     for label, nbytes in sizes.items():
         rows = max(1, nbytes // (4 * 1024))
-        for mode, overlap, pooled, direct in modes:
+        for mode, overlap, pooled, direct, static in modes:
             pipe = OurPipeline(chain(world), rank, m, tf, tb, mb_shape=(rows, 1024), overlap=overlap,
-                               pass_through=True, reuse_receive_buffers=pooled, direct_leaf_bytes=direct)
+                               pass_through=True, reuse_receive_buffers=pooled, direct_leaf_bytes=direct,
+                               static_specs=static)
             runs[f"{label} {mode}"] = (lambda p=pipe: p.step()[0])
     times = interleaved(runs, rounds, steps)
     if trace_dir is not None:  # two traced steps with the large payload, overlapped
@@ -135,16 +141,20 @@ def main() -> None:
                         help="also run the overlapped runtime without pooled receive buffers, interleaved")
     parser.add_argument("--direct", action="store_true",
                         help="also run the overlapped runtime with every leaf packed (no direct transfers), interleaved")
+    parser.add_argument("--static", action="store_true",
+                        help="also run the overlapped runtime with static_shapes (forward receives posted ahead), "
+                             "interleaved")
     parser.add_argument("--trace", metavar="PNG", help="draw one overlapped step with the large payload")
     args = parser.parse_args()
     sizes = {f"{args.small_kib:g} KiB": int(args.small_kib * KIB), f"{args.large_mib:g} MiB": int(args.large_mib * KIB * KIB)}
     print(f"$ python benchmarks/bench_overlap.py --pp {args.pp} --m {args.m} --tf {args.tf} --tb {args.tb} "
           f"--small-kib {args.small_kib:g} --large-mib {args.large_mib:g} --rounds {args.rounds} --steps {args.steps}"
-          + (" --receive-pool" if args.receive_pool else "") + (" --direct" if args.direct else ""))
+          + (" --receive-pool" if args.receive_pool else "") + (" --direct" if args.direct else "")
+          + (" --static" if args.static else ""))
     print(f"({machine()})")
     trace_dir = tempfile.mkdtemp(prefix="overlap_trace_") if args.trace else None
     times, raw = run_distributed(worker, args.pp, args.m, args.tf, args.tb, sizes, args.rounds, args.steps,
-                                 trace_dir, args.receive_pool, args.direct, timeout=900)[0]
+                                 trace_dir, args.receive_pool, args.direct, args.static, timeout=900)[0]
     ideal = (args.m + args.pp - 1) * (args.tf + args.tb)
     small, large = sizes
     rows = []
@@ -159,6 +169,9 @@ def main() -> None:
     if args.direct:
         ablation(times, sizes, args.steps, "overlapped, leaves >= 1 MiB sent direct (default) vs every leaf packed",
                  "large leaves", ("overlap", "direct"), ("overlap packed", "packed"))
+    if args.static:
+        ablation(times, sizes, args.steps, "overlapped, shapes free (default) vs static_shapes (forward receives "
+                 "posted ahead too)", "shapes", ("overlap", "free"), ("overlap static", "static"))
     layout = chain(args.pp)
     schedule = build_schedule(layout, args.m, "1f1b")
     section("one gloo transfer, and the simulator with it as the per-transfer latency")
