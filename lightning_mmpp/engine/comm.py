@@ -40,11 +40,20 @@ Posting and taking. :meth:`MultiModuleCommunicator.post` posts a batch and retur
 the sender posts every round of its parts, the receiver the first round of its parts, as one
 *group* per peer. :meth:`MultiModuleCommunicator.take` completes a message where its payload is
 needed (the runtime: just before the compute that consumes it), running the further rounds of
-its group if a spec changed. Before a rank posts anything more from a peer, it completes that
-peer's open group, so the later rounds of a changed spec are matched before anything later.
-Every wait happens no earlier than in :meth:`MultiModuleCommunicator.exchange` (post, then take
-everything), so a schedule that cannot deadlock with blocking exchanges cannot with deferred
-takes either.
+its group if a spec changed. A group holding a message that may still need further parts is
+*open*: before a rank posts anything more from that peer, it completes the group, so the later
+rounds of a changed spec are matched before anything later. (A gradient, or a forward message
+under ``static_specs`` on a cached channel, is whole in its first part: its group never needs
+completing first.) Every wait happens no earlier than in :meth:`MultiModuleCommunicator.exchange`
+(post, then take everything), so a schedule that cannot deadlock with blocking exchanges cannot
+with deferred takes either.
+
+Receiving ahead. gloo's point-to-point protocol is a rendezvous: a send whose receive is not
+posted yet waits for the receiver's notice before a byte moves. On CPU,
+:meth:`MultiModuleCommunicator.post_ahead` posts the receive of a message whole in its first
+part before the exchange that names it (the runtime: the next two exchanges' receives, after
+each exchange, in schedule order); it waits for nothing and posts nothing a peer's later parts
+could meet, so the argument above still holds.
 
 Contract for callers (the schedule/runtime): for every pair of ranks and direction, the messages
 that one :meth:`exchange` call sends must be received by exactly one :meth:`exchange` call on the
@@ -579,9 +588,9 @@ class MultiModuleCommunicator:
         backend at once; they complete in the background until the next :meth:`post` (or
         :meth:`wait_sends`) waits for them. Receives are completed by :meth:`take`, where their
         payload is needed, so the transfer runs while this rank computes. A receive from a peer
-        that still has a posted, unfinished group of messages to this rank first finishes that
-        group: a message whose spec changed needs further parts, and per-pair in-order matching
-        must see them before anything later.
+        that still has an open group (a posted message to this rank that may still need further
+        parts: a changed spec's) first finishes that group, since per-pair in-order matching must
+        see those parts before anything later.
         """
         recvs = list(recvs)
         self._packed = set()
