@@ -158,7 +158,7 @@ def stage_times(tf: float, tb: float, calls: int, input_grad: bool) -> tuple[flo
 
 
 def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int, warmup: int,
-                stage_calls: int) -> dict:
+                stage_calls: int, static_shapes: bool = False) -> dict:
     from lightning_mmpp import MultiModulePipelineStrategy
 
     L = _lightning()
@@ -182,7 +182,7 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
 
     # this rank's stage alone (ranks 0-1 hold first stages, whose input needs no gradient)
     stage_f, stage_b = stage_times(tf, tb, stage_calls, input_grad=rank >= 2)
-    strategy = MultiModulePipelineStrategy(PLACEMENTS, num_microbatches=m, schedule="1f1b")
+    strategy = MultiModulePipelineStrategy(PLACEMENTS, num_microbatches=m, schedule="1f1b", static_shapes=static_shapes)
     trainer = _trainer(world, warmup + steps + 1, strategy, clock)
     trainer.callbacks.append(Timers())
     L.seed_everything(0, verbose=False)
@@ -212,11 +212,12 @@ def main() -> None:
     parser.add_argument("--stage-calls", type=int, default=30,
                         help="forward and backward calls of each rank's stage timed alone before its fit")
     parser.add_argument("--no-floor", action="store_true", help="only ours (skip the two plain-Lightning runs)")
+    parser.add_argument("--static", action="store_true", help="ours with static_shapes=True")
     args = parser.parse_args()
     m, tf, tb, steps, warmup = args.m, args.tf, args.tb, args.steps, args.warmup
     ideal = (m + DEPTH - 1) * (tf + tb)
     sleep = m * (tf + tb)
-    print(f"$ python benchmarks/bench_fit.py  (m={m}, tf={tf * 1e3:g} ms, tb={tb * 1e3:g} ms, {steps} timed steps "
+    print(f"$ python benchmarks/bench_fit.py{' --static' if args.static else ''}  (m={m}, tf={tf * 1e3:g} ms, tb={tb * 1e3:g} ms, {steps} timed steps "
           f"after {warmup} warm-up; {machine()})")
     timeout = 120 + 3 * (warmup + steps) * ideal
 
@@ -229,8 +230,8 @@ def main() -> None:
             step = median(per_rank[0])
             floors[name] = step - sleep
             rows.append((name, sleep * 1e3, step * 1e3, step / sleep, (step - sleep) * 1e3))
-    per_rank = run_distributed(worker_ours, 4, m, tf, tb, steps, warmup, args.stage_calls, timeout=timeout,
-                               init_pg=False)
+    per_rank = run_distributed(worker_ours, 4, m, tf, tb, steps, warmup, args.stage_calls, args.static,
+                               timeout=timeout, init_pg=False)
     step = median(per_rank[0]["steps"])
     rows.append(("ours, 2 enc -> llm, 4 processes", ideal * 1e3, step * 1e3, step / ideal, (step - ideal) * 1e3))
     # the ideal with the stages as measured: every rank's stage is the same kind, so the mean
