@@ -121,3 +121,25 @@ def test_sampler_replacement_is_stated_once_and_a_seeded_generator_is_kept(monke
         seeded = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
         assert same_order_on_every_rank(seeded) is seeded
     assert isinstance(seeded.sampler, RandomSampler)
+
+
+def test_a_splitters_shards_are_the_split_batch_sliced_by_replica():
+    """``BatchSplitter.split``'s ``shard(module, k)`` (the batch flattened once per step) gives
+    what slicing the split microbatch by the replica's samples and unwrapping gives, in a fresh
+    container every call."""
+    from lightning_mmpp.core.kinds import StepKind
+    from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
+    from lightning_mmpp.engine.microbatch import BatchSplitter
+
+    layout = PipelineLayout({"enc": ModulePlacement(dp=2), "llm": ModulePlacement()}, {"enc": ["llm"], "llm": []})
+    batch = {"x": torch.arange(16.0).reshape(8, 2), "ids": list(range(8)), "tags": Unsplit(["a", "b"]),
+             "pair": (torch.arange(8), torch.zeros(8, 3))}
+    for rank, module, index in ((1, "enc", slice(2, 4)), (2, "llm", slice(0, 4))):
+        m, shard = BatchSplitter(layout, rank, 2).split(batch, StepKind.TRAIN)
+        assert m == 2
+        for k, micro in enumerate(split_microbatches(batch, 2)):
+            want, got = unwrap_unsplit(slice_batch(micro, index, 4)), shard(module, k)
+            assert got.keys() == want.keys() and got["ids"] == want["ids"] and got["tags"] == ["a", "b"]
+            assert torch.equal(got["x"], want["x"]) and isinstance(got["pair"], tuple)
+            assert all(torch.equal(a, b) for a, b in zip(got["pair"], want["pair"]))
+            assert shard(module, k) is not got  # a fresh container: a hook may change its own
