@@ -623,8 +623,7 @@ class MultiModuleCommunicator:
             raise
         groups = self._post_batch(outgoing, incoming)
         for key, sources in pending:
-            peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
-            self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
+            self._file(key, sources, groups)
 
     def post_ahead(self, key: MessageKey) -> bool:
         """Post the receive of ``key`` now, ahead of the exchange that names it, where that is
@@ -647,25 +646,24 @@ class MultiModuleCommunicator:
         """
         if self.device.type != "cpu" or key in self._inbox:
             return False
-        if key.direction == FORWARD:
-            if not self.static_specs:
-                return False  # a changed spec's further parts would follow it on the pair
-            _, peers = self._sources(key)
-            if any(peer.rank == self.rank or peer.rank in self._open
-                   or _channel(peer.rank, self.rank, key, self._training) not in self._recv_cache for peer in peers):
-                return False
-            sources = self._plan_forward_recv(key)
-        else:
-            if key.edge not in self._sent:
-                return False  # its forward was not sent yet: the gradient's layout is unknown
-            _, peers = self._targets(key)
-            if any(peer.rank == self.rank or peer.rank in self._open for peer in peers):
-                return False
-            sources = self._plan_backward_recv(key)
-        groups = self._post_batch([], [src for _, (kind, src) in sources if kind is _Origin.REMOTE])
-        self._inbox[key] = (sources, [groups[peer] for peer in sorted(groups)])
+        forward = key.direction == FORWARD
+        _, peers = self._sources(key) if forward else self._targets(key)
+        if forward:  # without static_specs a changed spec's further parts would follow it on the pair
+            planned = self.static_specs and all(
+                _channel(peer.rank, self.rank, key, self._training) in self._recv_cache for peer in peers)
+        else:  # a gradient's layout comes from its forward, sent already
+            planned = key.edge in self._sent
+        if not planned or any(peer.rank == self.rank or peer.rank in self._open for peer in peers):
+            return False
+        sources = self._plan_forward_recv(key) if forward else self._plan_backward_recv(key)
+        self._file(key, sources, self._post_batch([], [src for _, (kind, src) in sources if kind is _Origin.REMOTE]))
         self.stats.receives_ahead += 1
         return True
+
+    def _file(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]], groups: dict[int, "_Group"]) -> None:
+        """Keep a posted receive for :meth:`take`: its sources and the groups its remote parts are in."""
+        peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
+        self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
 
     def _plan_receives(
         self, recvs: list[MessageKey]

@@ -334,7 +334,7 @@ class BatchSplitter:
         self.divisor = layout.batch_divisor
         self._largest: dict[StepKind, int] = {}
         self.routing: Optional[SampleRouting] = None
-        self._replicas: dict[str, int] = {}  # module -> this rank's replica of it
+        self._replicas = {slot.module: slot.replica for slot in layout.slots(rank)}  # module -> this rank's replica
 
     def split(self, batch: Any, kind: StepKind) -> tuple[int, Callable[[str, int], Any]]:
         """``(m, shard)``: the microbatch count, and ``shard(module, k)``, the part of microbatch
@@ -360,12 +360,8 @@ class BatchSplitter:
         def shard(module: str, k: int) -> Any:
             # called per forward (and per loss): one pass over the microbatch's fields, slicing
             # each and unwrapping Unsplit, into a fresh container every call
-            replica = self._replicas.get(module)
-            if replica is None:
-                slot = self.layout.slot(self.rank, module)
-                assert slot is not None, f"rank {self.rank} holds no stage of {module!r}"
-                replica = self._replicas[module] = slot.replica
-            index = routing.shard(module, replica, k)
+            assert module in self._replicas, f"rank {self.rank} holds no stage of {module!r}"
+            index = routing.shard(module, self._replicas[module], k)
             return spec.unflatten([leaf.value if isinstance(leaf, Unsplit) else _slice_field(leaf, index, per)
                                    for leaf in micro_fields(k)])
 
