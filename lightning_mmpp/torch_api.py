@@ -80,7 +80,8 @@ def wait_collective(tensor: Any) -> None:
 
 def direct_p2p(group: Optional[Any]) -> tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]:
     """``(send, recv)``: post one tensor to / from a *global* rank on ``group`` (``None``: the
-    default group), returning the backend's work, tag 0.
+    default group) with a tag (default 0; gloo matches a pair's sends and receives per tag, in
+    order), returning the backend's work.
 
     Exactly what ``dist.batch_isend_irecv`` does per op on a backend that does not coalesce
     (gloo: ``group.send([tensor], group_peer, tag)``), without the per-call argument checks,
@@ -99,10 +100,10 @@ def direct_p2p(group: Optional[Any]) -> tuple[Callable[[Any, int], Any], Callabl
             group_ranks[peer] = local
         return local
 
-    def send(tensor: Any, peer: int) -> Any:
-        return pg.send([tensor], group_rank(peer), 0)
+    def send(tensor: Any, peer: int, tag: int = 0) -> Any:
+        return pg.send([tensor], group_rank(peer), tag)
 
-    def recv(tensor: Any, peer: int) -> Any:
-        return pg.recv([tensor], group_rank(peer), 0)
+    def recv(tensor: Any, peer: int, tag: int = 0) -> Any:
+        return pg.recv([tensor], group_rank(peer), tag)
 
     return send, recv

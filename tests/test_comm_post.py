@@ -101,23 +101,27 @@ def _runtime_grads(rank: int, world: int) -> dict:
 
     layout = PipelineLayout({"enc": ModulePlacement(), "llm": ModulePlacement(pp=2)}, {"enc": ["llm"], "llm": []})
     data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    # rows changing every other microbatch: a spec change follows many receives posted ahead
+    varying = [torch.randn(3 + k // 2 % 2, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     out: dict = {}
-    for overlap, static, ahead in ((True, False, 2), (False, False, 2), (True, True, 2), (True, True, 0)):
+    for overlap, static, ahead in ((True, False, 2), (False, False, 2), (True, True, 2), (True, True, 0),
+                                   (True, "varying", 2), (False, "varying", 2)):
         torch.manual_seed(0)
         stages = {"enc": nn.Linear(8, 8), "llm": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))}
         slot = layout.slots(rank)[0]
         layer = stages[slot.module] if slot.module == "enc" else stages["llm"][slot.stage]
         runner = StageRunner(slot.module, slot.stage, [layer], ["0"])
-        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static)
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"), static_specs=static is True)
         runtime = PipelineRuntime(layout, rank, comm, {slot.module: runner}, _Hooks(), overlap=overlap,
                                   receive_ahead=ahead)
+        batches = varying if static == "varying" else data
         for name in ("1f1b", "gpipe", "zero_bubble"):
-            runtime.run(build_schedule(layout, 6, name), lambda module, k: data[k])
+            runtime.run(build_schedule(layout, 6, name), lambda module, k: batches[k])
         out[(overlap, static, ahead)] = {n: p.grad.clone() for n, p in layer.named_parameters()}
         out[("ahead", overlap, static, ahead)] = comm.stats.receives_ahead
         if ahead:
             out[("metadata", static)] = comm.stats.metadata_exchanges
-        if not static:  # an evaluation step: its forward specs wait for no backward
+        if static is False:  # an evaluation step: its forward specs wait for no backward
             runtime.run(build_schedule(layout, 6, "gpipe", forward_only=True), lambda module, k: data[k])
             out[("left after eval", overlap)] = comm.pending_backward()
     return out
@@ -132,13 +136,16 @@ def test_overlapped_runtime_matches_blocking():
         for mode in ((True, False, 2), (True, True, 2), (True, True, 0)):
             assert out[mode].keys() == blocking.keys()
             assert all(torch.equal(out[mode][n], blocking[n]) for n in blocking), (rank, mode)
+        varying = out[(False, "varying", 2)]
+        assert all(torch.equal(out[(True, "varying", 2)][n], varying[n]) for n in varying), rank
+        assert not all(torch.equal(varying[n], blocking[n]) for n in blocking)  # other data: other grads
         assert out[("metadata", True)] == out[("metadata", False)]  # only the first message of a channel
-        # posted ahead: gradients whenever a rank receives them (ranks 0, 1), forward inputs only
-        # with static shapes (ranks 1, 2); never in blocking mode or with receive_ahead=0
+        assert out[("metadata", "varying")] > out[("metadata", False)]  # the changes travelled
+        assert out[("ahead", True, "varying", 2)] > 0, (rank, out)
+        # posted ahead: gradients (ranks 0, 1) and forward inputs (ranks 1, 2), with or without
+        # static shapes; never in blocking mode or with receive_ahead=0
         assert out[("ahead", False, False, 2)] == out[("ahead", True, True, 0)] == 0, (rank, out)
-        assert (out[("ahead", True, False, 2)] > 0) == (rank < 2), (rank, out)
-        more = out[("ahead", True, True, 2)] - out[("ahead", True, False, 2)]
-        assert (more > 0) == (rank > 0), (rank, out)  # rank 0 (enc) receives no forward input
+        assert out[("ahead", True, False, 2)] > 0 and out[("ahead", True, True, 2)] > 0, (rank, out)
         # the runtime ends every step with the communicator's finish_step
         assert [v for k, v in out.items() if k[0] == "left after eval"] == [0, 0], (rank, out)
 
@@ -174,9 +181,9 @@ def _ahead(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_receives_posted_ahead_only_where_whole_in_one_part():
-    """A gradient is posted ahead once its forward was sent; a forward input only with static
-    shapes and a cached spec; the same message never twice; the payloads are the same."""
+def test_receives_posted_ahead_only_where_planned():
+    """A gradient is posted ahead once its forward was sent; a forward input once its channel's
+    spec is cached (static shapes or not); the same message never twice; the payloads are the same."""
     sender, receiver = run_distributed(_ahead, 2, timeout=60)
     for static in (False, True):
         assert sender[("grad before its forward", static)] is False
@@ -185,9 +192,65 @@ def test_receives_posted_ahead_only_where_whole_in_one_part():
         assert sender[("grads", static)] == [6 * 12.0, 6 * 10.0, 6 * 11.0]
         assert sender[("counted", static)] == 2
         assert receiver[("first, no spec", static)] is False
-        assert receiver[("next, spec cached", static)] is static
+        assert receiver[("next, spec cached", static)] is True
         assert receiver[("inputs", static)] == [0.0, 6 * 2.0, 6 * 1.0]
-        assert receiver[("counted", static)] == int(static)
+        assert receiver[("counted", static)] == 1
+
+
+def _ahead_changing(rank: int, world: int) -> dict:
+    """Forward receives posted ahead while specs change: 'a' and 'b' on rank 0 feed 'c' on rank 1
+    (two channels from one peer); a changed spec's further parts follow on their own tag."""
+    layout = PipelineLayout({"a": ModulePlacement(), "b": ModulePlacement(rank_offset=0), "c": ModulePlacement()},
+                            {"a": ["c"], "b": ["c"], "c": []})
+    comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+    a = {k: MessageKey(F, "a", "c", k) for k in range(6)}
+    b = {k: MessageKey(F, "b", "c", k) for k in range(6)}
+    # a's rows per microbatch (b's: one more): a changes at 1, 3 and 5; at most the last message of a
+    # channel in one post may change its spec (the receiver plans them all with the spec it knows)
+    rows = {0: 2, 1: 4, 2: 4, 3: 2, 4: 2, 5: 5}
+
+    def value(src: str, k: int) -> torch.Tensor:
+        return torch.full((rows[k] + (src == "b"), 3), 10.0 * k + (src == "b"))
+
+    out: dict = {}
+    if rank == 0:
+        for ks in ({"a": [0], "b": [0]}, {"a": [1], "b": [1]}, {"a": [2, 3]}, {"a": [4, 5]}, {"b": [2]}):
+            comm.post({(a if src == "a" else b)[k]: value(src, k) for src in ks for k in ks[src]}, [])
+        comm.wait_sends()
+        return out
+    comm.post({}, [a[0], b[0]])
+    got = {("a", 0): comm.take(a[0]), ("b", 0): comm.take(b[0])}
+    # the receives of one peer in the order of its sends (canonical within a post)
+    out["a1 ahead"] = comm.post_ahead(a[1])  # planned with a's cached spec, which changes: stale
+    out["b1 ahead"] = comm.post_ahead(b[1])  # another channel: taken ahead while a1 may need more parts
+    out["a2 ahead"] = comm.post_ahead(a[2])  # refused: a1 may bring a new spec for a2
+    got[("b", 1)] = comm.take(b[1])  # a1's further parts come first on the pair: a1 completed first
+    out["a1 whole before its take"] = all(m.done for _, (_, m) in comm._inbox[a[1]][0])
+    comm.post({}, [a[2], a[3]])
+    comm.post({}, [a[4], a[5]])  # a3 may change a's spec again: completed first
+    out["b2 ahead"] = comm.post_ahead(b[2])
+    for src, k in [("b", 2), ("a", 5), ("a", 3), ("a", 4), ("a", 2), ("a", 1)]:
+        got[(src, k)] = comm.take((a if src == "a" else b)[k])
+    out["equal"] = {key: torch.equal(t, value(*key)) for key, t in got.items()}
+    out["open left"] = dict(comm._open)
+    out["counted"] = comm.stats.receives_ahead
+    out["metadata"] = comm.stats.metadata_exchanges
+    comm.wait_sends()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_forward_receives_posted_ahead_while_specs_change():
+    """Without static shapes a forward receive is posted ahead on a channel whose earlier
+    messages are whole; when its sender's spec changed, the further parts (on their own tag)
+    complete it, in the sender's order across groups, and every payload arrives intact."""
+    _, receiver = run_distributed(_ahead_changing, 2, timeout=60)
+    assert receiver["a1 ahead"] is True and receiver["b1 ahead"] is True and receiver["a2 ahead"] is False
+    assert receiver["a1 whole before its take"] is True and receiver["b2 ahead"] is True
+    assert receiver["equal"] == {key: True for key in receiver["equal"]} and len(receiver["equal"]) == 9
+    assert receiver["open left"] == {}
+    assert receiver["counted"] == 3
+    assert receiver["metadata"] == 6  # a: first use, 1, 3, 5; b: first use, 1
 
 
 def _static(rank: int, world: int) -> dict:

@@ -197,16 +197,26 @@ def _direct_p2p_worker(rank: int, world: int) -> list[float]:
     else:
         recv(second, 0).wait()
         dist.isend(out + 10, 0).wait()
-    return got.tolist() + second.tolist()
+    # gloo matches a pair's transfers per tag: a receive on tag 0 posted first takes the tag-0
+    # send even though a tag-1 send to it was posted before (the communicator's later parts)
+    tagged = [torch.empty(3), torch.empty(3)]
+    if rank == 0:
+        for work in [send(out + 20, 1, 1), send(out + 30, 1, 0)]:
+            work.wait()
+    else:
+        recv(tagged[0], 0, 0).wait()
+        recv(tagged[1], 0, 1).wait()
+    return got.tolist() + second.tolist() + (tagged[0].tolist() + tagged[1].tolist() if rank else [])
 
 
 @pytest.mark.distributed
 def test_direct_p2p_posts_on_the_group_like_isend_irecv():
     """``direct_p2p``'s send / recv are the process group's ``send([t], group_rank, tag)`` /
-    ``recv``: they pair with ``dist.isend`` / ``irecv`` of the peer in order. If this fails, the
-    communicator's gloo fast path no longer matches torch's."""
+    ``recv``: they pair with ``dist.isend`` / ``irecv`` of the peer in order, and per tag (a later
+    tag's send waits while an earlier tag's receive takes the send posted after it). If this
+    fails, the communicator's gloo fast path (and its later parts' own tag) no longer holds."""
     from tests.dist import run_distributed
 
     got = run_distributed(_direct_p2p_worker, 2, timeout=60)
     assert got[0] == [1.0] * 3 + [11.0] * 3
-    assert got[1] == [0.0] * 3 + [10.0] * 3
+    assert got[1] == [0.0] * 3 + [10.0] * 3 + [30.0] * 3 + [20.0] * 3

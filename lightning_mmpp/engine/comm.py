@@ -17,43 +17,52 @@ Wire protocol (per forward *channel* = (src rank, dst rank, src module, dst modu
   from and received into the tensor's own memory: no copy into the packed buffer; see
   :class:`~lightning_mmpp.engine.payload.WireLayout`). The transfers of one message are its *data
   part*.
-* When the spec changes (or on first use) the sender sends, in consecutive *rounds*: the data
-  part of the old spec with header flag :data:`~lightning_mmpp.engine.payload.FLAG_STALE` (only if
-  an old spec existed; its direct leaves unwritten), an int64 length, the serialised spec, then
-  the data part of the new spec.
+* When the spec changes (or on first use) the sender sends the data part of the old spec with
+  header flag :data:`~lightning_mmpp.engine.payload.FLAG_STALE` (only if an old spec existed; its
+  direct leaves unwritten), then its *further parts*: an int64 length, the serialised spec, the
+  data part of the new spec. A message's first part goes on tag 0, its further parts on
+  :data:`LATER_PARTS_TAG`. The receiver plans every message of a channel in one post with the
+  spec it knows, so of a channel's messages in one exchange only the last may change the spec.
 * The steady state of a one-tensor message to one remote peer is checked against the channel's
   cached spec directly (shape, dtype, ``requires_grad``), without flattening the payload or
   building a spec, and packed through views of the channel's buffer kept from its last message.
 * Backward messages never carry metadata: their layout is the gradient layout of the spec of
   the same (key, peer) seen in forward, which both ends keep until that backward has run.
 
-Ordering and deadlock freedom: a batch of transfers runs in rounds. In round ``r`` a rank
-posts, in one ``batch_isend_irecv`` (on CPU: the same gloo calls in the same order, straight on
-the process group, :func:`~lightning_mmpp.torch_api.direct_p2p`), the ``r``-th part of each of its outgoing messages and the
-next expected part of each incoming message, each list sorted by a canonical key that both ends
-compute (direction, src module, dst module, microbatch, sender rank, receiver rank). All sends
-and receives of a round go into the same batch, so opposite directions cannot deadlock, and the
-per-rank-pair in-order matching of gloo and NCCL pairs the same messages on both ends. Steady
-state is one round; a metadata change adds up to three.
+Ordering and deadlock freedom: a post is one ``batch_isend_irecv`` (on CPU: the same gloo calls
+in the same order, straight on the process group, :func:`~lightning_mmpp.torch_api.direct_p2p`)
+of the first part of each outgoing and each incoming message, each list sorted by a canonical
+key that both ends compute (direction, src module, dst module, microbatch, sender rank,
+receiver rank), then one batch of the outgoing messages' further parts, message by message in
+the same order. All sends and receives of a batch go into it together, so opposite directions
+cannot deadlock, and the per-rank-pair in-order matching of gloo and NCCL pairs the same
+messages on both ends. The receiver asks for a message's further parts one by one when it
+completes the message, messages in the order their first parts were posted. Steady state is
+one batch per post; a metadata change adds three receives.
 
 Posting and taking. :meth:`MultiModuleCommunicator.post` posts a batch and returns at once:
-the sender posts every round of its parts, the receiver the first round of its parts, as one
-*group* per peer. :meth:`MultiModuleCommunicator.take` completes a message where its payload is
-needed (the runtime: just before the compute that consumes it), running the further rounds of
-its group if a spec changed. A group holding a message that may still need further parts is
-*open*: before a rank posts anything more from that peer, it completes the group, so the later
-rounds of a changed spec are matched before anything later. (A gradient, or a forward message
-under ``static_specs`` on a cached channel, is whole in its first part: its group never needs
-completing first.) Every wait happens no earlier than in :meth:`MultiModuleCommunicator.exchange`
-(post, then take everything), so a schedule that cannot deadlock with blocking exchanges cannot
-with deferred takes either.
+the sender posts every part of its messages, the receiver their first parts, as one *group*
+per peer. :meth:`MultiModuleCommunicator.take` completes a message where its payload is
+needed (the runtime: just before the compute that consumes it), receiving the further parts of
+its messages whose spec changed. A group holding a message that may still need further parts
+is *open*; a rank completes a peer's open groups in posting order, since their further parts
+follow one another on the pair. (A gradient, or a forward message under ``static_specs`` on a
+cached channel, is whole in its first part: its group is never open.) Before it plans a
+forward receive, a rank completes the earlier messages of the same channel (one may bring the
+spec the receive is sized by); on NCCL, which ignores tags, it completes every open group of the
+peer before posting anything more from it, so nothing later is matched with a further part.
+Every wait happens no earlier than in :meth:`MultiModuleCommunicator.exchange` (post, then take
+everything), so a schedule that cannot deadlock with blocking exchanges cannot with deferred
+takes either.
 
 Receiving ahead. gloo's point-to-point protocol is a rendezvous: a send whose receive is not
 posted yet waits for the receiver's notice before a byte moves. On CPU,
-:meth:`MultiModuleCommunicator.post_ahead` posts the receive of a message whole in its first
-part before the exchange that names it (the runtime: the next two exchanges' receives, after
-each exchange, in schedule order); it waits for nothing and posts nothing a peer's later parts
-could meet, so the argument above still holds.
+:meth:`MultiModuleCommunicator.post_ahead` posts the first part of a message before the
+exchange that names it (the runtime: the next two exchanges' receives, in schedule order, after
+each exchange and after each take): a gradient once its forward went out, a forward message on
+a channel whose spec is cached and whose earlier messages are whole. It waits for nothing, and
+gloo matches a pair's transfers per tag, so it never meets a further part (those travel on
+:data:`LATER_PARTS_TAG`) and the argument above still holds.
 
 Contract for callers (the schedule/runtime): for every pair of ranks and direction, the messages
 that one :meth:`exchange` call sends must be received by exactly one :meth:`exchange` call on the
@@ -114,8 +123,11 @@ __all__ = ["BACKWARD", "FORWARD", "CommStats", "Direction", "MessageKey", "Multi
 FORWARD = Direction.FORWARD
 BACKWARD = Direction.BACKWARD
 
+# the tag of a changed spec's further parts (length, spec, new data); first parts go on tag 0,
+# so on gloo, which matches a pair's transfers per tag, a receive posted ahead never meets them
+LATER_PARTS_TAG = 1
 
-@functools.lru_cache(maxsize=1 << 16)
+
 @functools.lru_cache(maxsize=8192)
 def message_tag(key: MessageKey) -> int:
     """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it
@@ -188,11 +200,11 @@ class _PeerState:
 class _Outgoing:
     order: tuple[Any, ...]
     peer: int
-    parts: list[list[torch.Tensor]]  # per round: the tensors sent in it, in order
+    parts: list[list[torch.Tensor]]  # the first part, then the further parts: the tensors of each, in order
 
 
 class _Incoming:
-    """A message from a remote peer, received part by part over one or more rounds."""
+    """A message from a remote peer, received part by part (a first part, then any further parts)."""
 
     peer: int
     done: bool
@@ -464,16 +476,21 @@ class _Origin(enum.Enum):
     REMOTE = "remote"  # an :class:`_Incoming` message from another rank
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
-    """The messages one :meth:`MultiModuleCommunicator.post` receives from one peer: posted
-    together, completed together (round by round while a changed spec needs more parts)."""
+    """The messages one :meth:`MultiModuleCommunicator.post` (or ``post_ahead``) receives from
+    one peer: their first parts posted together and completed together; a changed spec's
+    further parts then message by message."""
 
     peer: int
     messages: list[_Incoming]
-    current: list[_Incoming]  # the messages whose part is posted in the current round
-    works: list[Any]  # the receive works of the current round
+    works: list[Any]  # the receive works of the first parts
     done: bool = False
+
+    def unsettled(self, channel: Optional[_Channel] = None) -> bool:
+        """Whether a message of the group (on ``channel``, or any) may still need further parts."""
+        return any(not m.done and isinstance(m, _ForwardIncoming) and channel in (None, m.channel)
+                   for m in self.messages)
 
 
 # One source of a received message: (READY, payload) or (REMOTE, _Incoming).
@@ -535,11 +552,13 @@ class MultiModuleCommunicator:
         self._received: dict[tuple[str, str, int], tuple[PayloadSpec, list[_PeerState]]] = {}
         # Same-rank handovers waiting to be picked up (a same-rank peer is never a fan-in/out).
         self._mailbox: dict[MessageKey, Any] = {}
-        # (work, buffer, whether it is a later round of a changed spec's message)
+        # (work, buffer, whether it is a further part of a changed spec's message)
         self._pending_sends: list[tuple[Any, Optional[torch.Tensor], bool]] = []
         # Receives posted and not taken: key -> (its sources, the groups its remote parts are in).
         self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[_Group]]] = {}
-        self._open: dict[int, _Group] = {}  # peer -> its posted group not yet complete
+        # peer -> its posted groups not complete yet that hold a message which may need further
+        # parts, in posting order (see _complete)
+        self._open: dict[int, list[_Group]] = {}
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str, int, int], torch.Tensor] = {}
@@ -559,6 +578,9 @@ class MultiModuleCommunicator:
         self._peer_cache: dict[tuple[str, str, bool, int, int], tuple[StageSlot, list[BridgePeer]]] = {}
         # (send, recv) straight on the process group (CPU / gloo), made at the first post
         self._direct: Optional[tuple[Any, Any]] = None
+        # gloo (CPU) posts op by op and matches a pair's transfers per tag: a changed spec's
+        # further parts go on LATER_PARTS_TAG, apart from first parts (NCCL ignores tags)
+        self._tagged_later_parts = self.device.type == "cpu"
 
     # --- public API ----------------------------------------------------------------------
 
@@ -587,24 +609,24 @@ class MultiModuleCommunicator:
         Sends are packed (into the channel's previous buffer when it fits) and handed to the
         backend at once; they complete in the background until the next :meth:`post` (or
         :meth:`wait_sends`) waits for them. Receives are completed by :meth:`take`, where their
-        payload is needed, so the transfer runs while this rank computes. A receive from a peer
-        that still has an open group (a posted message to this rank that may still need further
-        parts: a changed spec's) first finishes that group, since per-pair in-order matching must
-        see those parts before anything later.
+        payload is needed, so the transfer runs while this rank computes. A forward receive on a
+        channel whose earlier message may still need further parts (a changed spec's) first
+        completes that message, whose spec it is planned with (on NCCL: any receive from a peer
+        with an open group, since per-pair in-order matching must see those parts first).
         """
         recvs = list(recvs)
         self._packed = set()
         # The previous post's sends first: on gloo, sends left in flight compete for the link and
         # the cores with the transfer the next compute waits for (measured: benchmarks/bench_overlap.py).
         self._wait_sends(keep_later_rounds=True)
-        # A peer's earlier group must be whole first: its messages may carry the spec this
-        # batch's receives are planned with, and nothing later from that peer may be posted
-        # while parts of it are still to come.
+        # An earlier message of a channel must be whole first: it may carry the spec this
+        # batch's receive on the channel is planned with (and on a backend that matches a pair's
+        # transfers in order whatever their tag, nothing later from a peer may be posted while
+        # parts of its earlier messages are still to come).
         for key in recvs if self._open else ():
             _, peers = self._sources(key) if key.direction == FORWARD else self._targets(key)
             for peer in peers:
-                if peer.rank in self._open:
-                    self._complete(self._open[peer.rank])
+                self._settle(peer.rank, key)
         # Planning validates every payload and may raise; it must then leave no trace, so that
         # an error surfaces before any message is posted and with the caches still consistent.
         saved = (dict(self._send_cache), dict(self._sent), dict(self._received), dict(self._mailbox),
@@ -634,31 +656,52 @@ class MultiModuleCommunicator:
         any byte moves. A receive posted early lets the peer's data land while this rank still
         computes (``benchmarks/README.md``: free stages, 4-stage chain).
 
-        Posted only where the message is whole in its first part, so that nothing posted later
-        from its peer can meet a further part of it: a gradient (never metadata), or a forward
-        message with ``static_specs`` on a channel whose spec is cached; and only where every
-        source is on another rank, no earlier message from those peers may still need further
-        parts (a changed spec's length, spec and data come next on the pair), and the backend
-        posts op by op (CPU: on NCCL a receive posted alone would hold the stream the rank's
-        sends go on). Nothing is waited for. The receives of one peer must be posted in the
-        order of its sends, as for :meth:`post`: the runtime posts ahead in schedule order and
-        stops at the first receive refused.
+        Posted only where its first part can be planned now: a gradient once its forward was
+        sent (its layout comes from that forward), a forward message on a channel whose spec is
+        cached and whose earlier messages are whole (one of them may bring a new spec); and only
+        where every source is on another rank and the backend posts op by op and matches a
+        pair's transfers per tag (CPU / gloo: a changed spec's further parts travel on their own
+        tag, :data:`LATER_PARTS_TAG`, so a first part posted ahead never meets them; on NCCL a
+        receive posted alone would also hold the stream the rank's sends go on). Nothing is
+        waited for. The receives of one peer must be posted in the order of its sends (as for
+        :meth:`post`, canonical within an exchange): the runtime posts ahead in schedule order
+        and stops at the first receive refused.
         """
-        if self.device.type != "cpu" or key in self._inbox:
+        if not self._tagged_later_parts or key in self._inbox:
             return False
         forward = key.direction == FORWARD
         _, peers = self._sources(key) if forward else self._targets(key)
-        if forward:  # without static_specs a changed spec's further parts would follow it on the pair
-            planned = self.static_specs and all(
-                _channel(peer.rank, self.rank, key, self._training) in self._recv_cache for peer in peers)
-        else:  # a gradient's layout comes from its forward, sent already
-            planned = key.edge in self._sent
-        if not planned or any(peer.rank == self.rank or peer.rank in self._open for peer in peers):
+        if any(peer.rank == self.rank for peer in peers):
+            return False
+        if forward:
+            for peer in peers:
+                channel = _channel(peer.rank, self.rank, key, self._training)
+                if channel not in self._recv_cache or any(g.unsettled(channel) for g in self._open.get(peer.rank, ())):
+                    return False
+        elif key.edge not in self._sent:
             return False
         sources = self._plan_forward_recv(key) if forward else self._plan_backward_recv(key)
         self._file(key, sources, self._post_batch([], [src for _, (kind, src) in sources if kind is _Origin.REMOTE]))
         self.stats.receives_ahead += 1
         return True
+
+    def _settle(self, peer: int, key: MessageKey) -> None:
+        """Complete what must be whole before a receive of ``key`` from ``peer`` is posted: the
+        peer's earlier messages on the same channel (one may bring the spec the receive is
+        planned with); where the backend ignores tags (NCCL), every open group of the peer."""
+        groups = self._open.get(peer)
+        if not groups:
+            return
+        if not self._tagged_later_parts:
+            self._complete(groups[-1])  # completes the earlier groups first
+            return
+        if key.direction != FORWARD:
+            return
+        channel = _channel(peer, self.rank, key, self._training)
+        for group in reversed(groups):
+            if group.unsettled(channel):
+                self._complete(group)
+                return
 
     def _file(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]], groups: dict[int, "_Group"]) -> None:
         """Keep a posted receive for :meth:`take`: its sources and the groups its remote parts are in."""
@@ -705,9 +748,9 @@ class MultiModuleCommunicator:
         self._wait_sends(keep_later_rounds=False)
 
     def _wait_sends(self, keep_later_rounds: bool) -> None:
-        """Wait for the sends in flight; with ``keep_later_rounds``, leave those of a changed
-        spec's later rounds in flight: their receives are posted only when the receiver completes
-        the message (at its take, or before it posts anything more from this rank), and waiting for
+        """Wait for the sends in flight; with ``keep_later_rounds``, leave a changed spec's
+        further parts in flight: their receives are posted only when the receiver completes
+        the message (at its take, or before it plans a receive its spec sizes), and waiting for
         them here would deadlock two ranks that each sent the other a changed spec (ragged
         payloads change shape every microbatch). Their buffers are not packed into again meanwhile."""
         pending, self._pending_sends = self._pending_sends, []
@@ -1020,7 +1063,7 @@ class MultiModuleCommunicator:
         if buffer is None or slot in self._packed or buffer.numel() != nbytes:
             return None
         if any(buffer is sent for _, sent, later in self._pending_sends if later):
-            return None  # a later round still in flight
+            return None  # a further part still in flight
         return buffer
 
     def _take_local(self, key: MessageKey) -> Any:
@@ -1065,7 +1108,7 @@ class MultiModuleCommunicator:
                 sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
 
-    # --- the rounds --------------------------------------------------------------------
+    # --- posting and completing -------------------------------------------------------------
 
     def _check_initialised(self) -> None:
         if self._direct is not None:  # posted on this group already
@@ -1080,10 +1123,11 @@ class MultiModuleCommunicator:
         """Post every part of ``outgoing`` and the first part of ``incoming``; return the new
         receive groups by peer.
 
-        Round ``r`` of a batch holds the ``r``-th part of every message that has one, in
-        canonical order; the receiving end asks for its parts in the same rounds (see
-        :meth:`_complete`), so per-pair in-order matching pairs the same buffers on both ends.
-        Sends of later rounds are posted right away: nothing on this end waits for them.
+        First parts go in one batch, in canonical order on both ends, so per-pair in-order
+        matching pairs the same buffers. A changed spec's further parts (length, spec, new data)
+        follow in a second batch, message by message in the same order, on
+        :data:`LATER_PARTS_TAG`; the receiving end asks for them in that order when it
+        completes the message (see :meth:`_complete`). Nothing on the sending end waits for them.
         """
         if not outgoing and not incoming:
             return {}
@@ -1095,34 +1139,36 @@ class MultiModuleCommunicator:
         by_peer: dict[int, list[_Incoming]] = {}
         for msg in incoming:
             by_peer.setdefault(msg.peer, []).append(msg)
-        assert not by_peer.keys() & self._open.keys(), "post() completes a peer's open group first"
-        rounds = max((len(m.parts) for m in outgoing), default=1)
+        assert self._tagged_later_parts or not by_peer.keys() & self._open.keys(), \
+            "post() completes a peer's open groups first"
+        first = [(buffer, m.peer) for m in outgoing for buffer in m.parts[0]]
+        later = [(buffer, m.peer) for m in outgoing for part in m.parts[1:] for buffer in part]
+        for buffer, _ in first + later:
+            self.stats.bytes_sent += buffer.numel() * buffer.element_size()
+        self.stats.messages_sent += sum(len(m.parts) for m in outgoing)
+        recv_parts = [part for msg in incoming for part in self._recv_parts(msg)]
+        works = self._post_parts(first, recv_parts)
+        self.stats.rounds += 1
         groups: dict[int, _Group] = {}
-        for round_index in range(rounds):
-            sends = [m for m in outgoing if round_index < len(m.parts)]
-            recvs = incoming if round_index == 0 else []
-            send_parts: list[tuple[torch.Tensor, int]] = []
-            for msg in sends:
-                for buffer in msg.parts[round_index]:
-                    send_parts.append((buffer, msg.peer))
-                    self.stats.bytes_sent += buffer.numel() * buffer.element_size()
-                self.stats.messages_sent += 1
-            recv_parts = [part for msg in recvs for part in self._recv_parts(msg)]
-            works = self._post_parts(send_parts, recv_parts)
+        if len(works) == len(first) + len(recv_parts):  # one work per op (gloo)
+            self._pending_sends.extend((w, buffer, False) for w, (buffer, _) in zip(works, first))
+            recv_works = works[len(first):]
+            for peer, msgs in by_peer.items():
+                groups[peer] = _Group(peer, msgs, [w for w, (_, p) in zip(recv_works, recv_parts) if p == peer])
+        else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
+            self._pending_sends.extend((w, None, False) for w in works)
+            for peer, msgs in by_peer.items():
+                groups[peer] = _Group(peer, msgs, list(works))
+        if later:
+            works = self._post_parts(later, [], LATER_PARTS_TAG)
             self.stats.rounds += 1
-            if len(works) == len(send_parts) + len(recv_parts):  # one work per op (gloo)
-                self._pending_sends.extend(
-                    (w, buffer, round_index > 0) for w, (buffer, _) in zip(works[: len(send_parts)], send_parts)
-                )
-                recv_works = works[len(send_parts):]
-                for peer, msgs in by_peer.items() if recvs else ():
-                    mine = [w for w, (_, p) in zip(recv_works, recv_parts) if p == peer]
-                    groups[peer] = _Group(peer, msgs, list(msgs), mine)
-            else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
+            if len(works) == len(later):
+                self._pending_sends.extend((w, buffer, True) for w, (buffer, _) in zip(works, later))
+            else:
                 self._pending_sends.extend((w, None, False) for w in works)
-                for peer, msgs in by_peer.items() if recvs else ():
-                    groups[peer] = _Group(peer, msgs, list(msgs), list(works))
-        self._open.update({peer: g for peer, g in groups.items() if not all(map(self._whole_at_once, g.messages))})
+        for peer, group in groups.items():
+            if not all(map(self._whole_at_once, group.messages)):
+                self._open.setdefault(peer, []).append(group)
         return groups
 
     def _whole_at_once(self, msg: _Incoming) -> bool:
@@ -1133,9 +1179,9 @@ class MultiModuleCommunicator:
         return isinstance(msg, _BackwardIncoming) or (self.static_specs and msg.steady())
 
     def _post_parts(self, sends: list[tuple[torch.Tensor, int]],
-                    recvs: list[tuple[torch.Tensor, int]]) -> list[Any]:
-        """Post one batch: every ``(buffer, peer)`` of ``sends`` and ``recvs``, sends first; the
-        works in that order (one per op), or a backend's coalesced works (NCCL).
+                    recvs: list[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
+        """Post one batch: every ``(buffer, peer)`` of ``sends`` and ``recvs``, sends first, on
+        ``tag``; the works in that order (one per op), or a backend's coalesced works (NCCL).
 
         On CPU (gloo, which does not coalesce: ``batch_isend_irecv`` posts op by op there) the
         ops go straight to the process group (:func:`~lightning_mmpp.torch_api.direct_p2p`), the
@@ -1144,9 +1190,12 @@ class MultiModuleCommunicator:
             if self._direct is None:
                 self._direct = direct_p2p(self.group)
             send, recv = self._direct
+            if tag:
+                return ([send(buffer, peer, tag) for buffer, peer in sends]
+                        + [recv(buffer, peer, tag) for buffer, peer in recvs])
             return [send(buffer, peer) for buffer, peer in sends] + [recv(buffer, peer) for buffer, peer in recvs]
-        ops = [dist.P2POp(dist.isend, buffer, peer, self.group) for buffer, peer in sends]
-        ops += [dist.P2POp(dist.irecv, buffer, peer, self.group) for buffer, peer in recvs]
+        ops = [dist.P2POp(dist.isend, buffer, peer, self.group, tag) for buffer, peer in sends]
+        ops += [dist.P2POp(dist.irecv, buffer, peer, self.group, tag) for buffer, peer in recvs]
         return dist.batch_isend_irecv(ops)
 
     def _recv_parts(self, msg: _Incoming) -> list[tuple[torch.Tensor, int]]:
@@ -1156,20 +1205,34 @@ class MultiModuleCommunicator:
         return [(buffer, msg.peer) for buffer in buffers]
 
     def _complete(self, group: "_Group") -> None:
-        """Wait for ``group``'s current round, read its headers, and run the further rounds a
-        changed spec needs (length, spec, new data), until every message in it is whole."""
-        while not group.done:
-            for work in group.works:
-                work.wait()
-            self._advance(group.current)
-            group.current = [m for m in group.messages if not m.done]
-            if not group.current:
-                group.done, group.works = True, []
-                if self._open.get(group.peer) is group:
-                    del self._open[group.peer]
-                return
-            group.works = self._post_parts([], [part for m in group.current for part in self._recv_parts(m)])
-            self.stats.rounds += 1
+        """Make every message of ``group`` whole: the peer's earlier open groups first (their
+        further parts come first on the pair), then wait for the group's first parts, read their
+        headers, and receive each changed spec's further parts (length, spec, new data) message
+        by message, in the order the sender sent them."""
+        if group.done:
+            return
+        earlier = self._open.get(group.peer, [])
+        if any(g is group for g in earlier):
+            while earlier[0] is not group:
+                self._complete_one(earlier[0])
+        self._complete_one(group)
+
+    def _complete_one(self, group: "_Group") -> None:
+        for work in group.works:
+            work.wait()
+        self._advance(group.messages)
+        for msg in group.messages:
+            while not msg.done:
+                for work in self._post_parts([], self._recv_parts(msg), LATER_PARTS_TAG):
+                    work.wait()
+                self.stats.rounds += 1
+                self._advance([msg])
+        group.done, group.works = True, []
+        groups = self._open.get(group.peer)
+        if groups is not None:
+            groups[:] = [g for g in groups if g is not group]
+            if not groups:
+                del self._open[group.peer]
 
     def _advance(self, recvs: Sequence[_Incoming]) -> None:
         if self.static_specs:  # steady-state messages are whole as received; headers read per step

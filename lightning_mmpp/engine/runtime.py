@@ -416,21 +416,22 @@ class PipelineRuntime:
         actions = program.actions
         self.comm.begin_step(not schedule.forward_only)
         step = _StepState(
-            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, program.split
+            schedule.num_microbatches, not schedule.forward_only, shard, keep_sink_outputs, compute_loss, program.split,
+            program.receives,
         )
         # stages whose gradients are complete, told after the exchange that sends their input
         # gradients upstream (other ranks wait for those first) or, where a compute comes next,
         # before that compute (the sum then runs beside it instead of after the pipeline)
         finished: list[str] = []
         if self.receive_ahead:
-            self._post_ahead(step, program, 0)
+            self._post_ahead(step, program.receives, 0)
         for action, prepared in zip(actions, program.steps):
             try:
                 exchange = isinstance(prepared, _PreparedExchange)
                 if exchange:
                     self._exchange(step, prepared)
                     if self.receive_ahead:
-                        self._post_ahead(step, program, prepared.ordinal + 1)
+                        self._post_ahead(step, program.receives, prepared.ordinal + 1)
                 if finished:
                     self._start_sums(finished)
                 if exchange:
@@ -460,12 +461,14 @@ class PipelineRuntime:
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 
-    def _post_ahead(self, step: "_StepState", program: "_Program", position: int) -> None:
+    def _post_ahead(self, step: "_StepState", receives: "_Receives", position: int) -> None:
         """Post ahead the receives of the exchanges ``position`` .. ``position + receive_ahead``
         (ordinals), in schedule order, up to the first the communicator does not take ahead (the
         receives from a peer must be posted in the order of its sends); the rest are posted by
-        their own exchanges."""
-        receives, limit = program.receives, position + self.receive_ahead
+        their own exchanges, or ahead after a take made them plannable (a forward receive whose
+        channel's earlier message is taken: it may have brought a new spec)."""
+        limit = position + self.receive_ahead
+        step.ahead_position, step.ahead_refused = position, False
         while step.ahead_cursor < len(receives):
             ordinal, consumer, key, peer = receives[step.ahead_cursor]
             if ordinal < position:  # its own exchange ran (and posted it, if it was not ahead)
@@ -478,6 +481,7 @@ class PipelineRuntime:
             except RuntimeError as err:
                 raise self.failures.transport_failure(err, {peer}, key.microbatch) from err
             if not posted:
+                step.ahead_refused = True
                 return
             step.ahead.add(key)
             step.posted.setdefault(consumer, {})[key] = peer
@@ -552,7 +556,7 @@ class PipelineRuntime:
         else:
             step.out_grads.setdefault((*key.producer, key.microbatch), {})[key.dst_module] = payload
 
-    def _take(self, step: "_StepState", consumer: tuple[str, int, int, Direction]) -> None:
+    def _take(self, step: "_StepState", consumer: _Consumer) -> None:
         """Wait for the receives posted for ``(module, chunk, k, direction)`` (overlap mode)."""
         keys = step.posted.pop(consumer, None)
         if not keys:
@@ -568,6 +572,8 @@ class PipelineRuntime:
                     self.tracer.record("recv", "transfer", step.posted_ns.pop(key), time.time_ns(), track=1,
                                        peer=peer, microbatch=key.microbatch, src=key.src_module, dst=key.dst_module,
                                        direction=key.direction.name.lower())
+        if step.ahead_refused:
+            self._post_ahead(step, step.receives, step.ahead_position)
 
     def _forward(self, step: "_StepState", stage: StageExecutor, k: int) -> None:
         module, unit = stage.module, (*stage.unit, k)
@@ -707,7 +713,7 @@ class PipelineRuntime:
             result.metric_sums[name] = result.metric_sums[name] + share if name in result.metric_sums else share
 
 
-def _consumer(key: MessageKey) -> tuple[str, int, int, Direction]:
+def _consumer(key: MessageKey) -> _Consumer:
     """The compute that needs a received message, ``(module, chunk, k, direction)``: the forward
     of its destination stage, or the backward of its source stage (the gradient of its output)."""
     module, chunk = key.consumer if key.direction is Direction.FORWARD else key.producer
@@ -715,6 +721,9 @@ def _consumer(key: MessageKey) -> tuple[str, int, int, Direction]:
 
 
 _Unit = tuple[str, int, int]  # (module, chunk, microbatch): one microbatch on one of the rank's stages
+_Consumer = tuple[str, int, int, Direction]  # (module, chunk, microbatch, direction): a compute taking receives
+# a program's receives in schedule order: (exchange ordinal, consumer, key, peer)
+_Receives = tuple[tuple[int, _Consumer, MessageKey, int], ...]
 
 
 @dataclass(frozen=True)
@@ -724,7 +733,7 @@ class _PreparedExchange:
     action: Exchange
     send_keys: tuple[MessageKey, ...]  # distinct, in order
     recv_keys: tuple[MessageKey, ...]  # distinct, in order
-    consumers: tuple[tuple[tuple[str, int, int, Direction], MessageKey, int], ...]  # (consumer, key, peer)
+    consumers: tuple[tuple[_Consumer, MessageKey, int], ...]  # (consumer, key, peer)
     peers: frozenset[int]  # every rank it talks to (named when a transfer fails)
     first_microbatch: int  # the lowest microbatch it carries (failure reports)
     ordinal: int  # its position among the rank's exchanges
@@ -735,7 +744,7 @@ class _PreparedCompute:
     """A :class:`Compute` with what the runtime derives from it resolved once."""
 
     action: Compute
-    consumes: tuple[str, int, int, Direction]  # the posted receives it takes first: (module, chunk, k, direction)
+    consumes: _Consumer  # the posted receives it takes first: (module, chunk, k, direction)
     gradient: bool  # a fused B or a W: produces parameter gradients
     last: bool  # the last such backward of its module in the step
     first_microbatch: int
@@ -752,7 +761,7 @@ class _Program:
     steps: tuple[Any, ...]  # a _PreparedExchange or _PreparedCompute per action
     split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W
     # every receive in schedule order: (its exchange's ordinal, consumer, key, peer)
-    receives: tuple[tuple[int, tuple[str, int, int, Direction], MessageKey, int], ...]
+    receives: "_Receives"
 
     @classmethod
     def lower(cls, actions: Sequence[Any]) -> "_Program":
@@ -761,7 +770,7 @@ class _Program:
         last_gradient = {a.module: index for index, a in enumerate(actions)
                          if isinstance(a, Compute) and a.phase in gradient_phases}
         steps: list[Any] = []
-        receives: list[tuple[int, tuple[str, int, int, Direction], MessageKey, int]] = []
+        receives: list[tuple[int, _Consumer, MessageKey, int]] = []
         ordinal = 0
         for index, action in enumerate(actions):
             if isinstance(action, Exchange):
@@ -772,7 +781,10 @@ class _Program:
                     tuple(dict.fromkeys(t.key for t in action.recvs)), consumers,
                     frozenset(t.peer for t in transfers), min((t.microbatch for t in transfers), default=0), ordinal,
                 ))
-                receives.extend((ordinal, consumer, key, peer) for consumer, key, peer in consumers)
+                # in key order: the order the sender posts an exchange's messages to one peer
+                # in, which receives posted ahead one by one must follow (see comm.post_ahead)
+                receives.extend(sorted(((ordinal, consumer, key, peer) for consumer, key, peer in consumers),
+                                       key=lambda entry: entry[2]))
                 ordinal += 1
             else:
                 direction = Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD
@@ -795,6 +807,7 @@ class _StepState:
     keep_sink_outputs: bool
     compute_loss: bool
     split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W in this schedule
+    receives: "_Receives"  # the program's receives, for posting ahead
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
     # every key below names one microbatch on one stage: (module, chunk, k)
@@ -805,8 +818,12 @@ class _StepState:
     out_grads: dict[_Unit, dict[str, Any]] = field(default_factory=dict)  # -> {consumer: grad}
     in_grads: dict[_Unit, dict[str, Any]] = field(default_factory=dict)   # -> {producer: grad}
     # receives posted and not taken yet: (consumer module, chunk, k, direction) -> {key: peer}
-    posted: dict[tuple[str, int, int, Direction], dict[MessageKey, int]] = field(default_factory=dict)
+    posted: dict[_Consumer, dict[MessageKey, int]] = field(default_factory=dict)
     posted_ns: dict[MessageKey, int] = field(default_factory=dict)  # when each receive was posted (tracing)
     ahead: set[MessageKey] = field(default_factory=set)  # receives posted ahead of their exchange
     ahead_cursor: int = 0  # the next entry of the program's receives to consider posting ahead
+    # the exchange (ordinal) the last posting ahead started from, and whether it stopped at a
+    # receive the communicator refused (a take may lift that: tried again after each take)
+    ahead_position: int = 0
+    ahead_refused: bool = False
     pieces: dict[_Unit, list[_LayerPiece]] = field(default_factory=dict)  # -> split graph
