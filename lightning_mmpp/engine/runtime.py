@@ -350,9 +350,9 @@ class PipelineRuntime:
             receives it consumes (its inputs, its output gradients), so transfers run beside
             the computes in between. ``False``: every exchange waits for its receives (and its
             previous sends) before the next action, for comparison.
-        receive_ahead: with ``overlap``, after each exchange the receives of up to this many
-            later exchanges are posted already, in the schedule's order, as far as the
-            communicator allows (:meth:`~lightning_mmpp.engine.comm.MultiModuleCommunicator.post_ahead`):
+        receive_ahead: with ``overlap``, after each exchange (and after a take, where the
+            communicator refused one) the receives of up to this many later exchanges are
+            posted already, in the schedule's order, as far as the communicator allows (:meth:`~lightning_mmpp.engine.comm.MultiModuleCommunicator.post_ahead`):
             a peer's data then lands while this rank computes instead of waiting for the
             receive's notice. Each receive posted ahead holds its buffer from then on. 0: none.
     """
