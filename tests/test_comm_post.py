@@ -419,3 +419,35 @@ def test_wire_layout_and_wire_tensor_share_memory():
     _, small = flatten_payload(below, "test")
     assert small.wire(grad=False).direct_indices == () and small.wire(grad=False).packed.indices == (0,)
     assert spec.wire(grad=False, direct_bytes=1 << 40).direct_indices == ()  # a threshold above every leaf: all packed
+
+
+def _same_channel_twice(rank: int, world: int) -> dict:
+    """Two messages of one channel in one exchange: fine unless an earlier one changes the spec."""
+    from lightning_mmpp.errors import PipelineConfigError
+
+    comm = _two_stages(rank)
+    fwd = {k: MessageKey(F, "a", "a", k) for k in range(4)}
+    out: dict = {}
+    if rank == 0:
+        for ks in ([0, 1], [2, 3]):  # the first use is a change too; microbatch 2 changes the spec
+            try:
+                comm.post({fwd[k]: torch.full((2 + (k == 2), 3), float(k)) for k in ks}, [])
+            except PipelineConfigError as err:
+                out.setdefault("errors", []).append(str(err))
+        comm.post({fwd[0]: torch.zeros(2, 3)}, [])
+        comm.post({fwd[1]: torch.ones(2, 3), fwd[2]: torch.full((3, 3), 2.0)}, [])  # the change comes last: fine
+        comm.wait_sends()
+        return out
+    comm.post({}, [fwd[0]])
+    comm.post({}, [fwd[1], fwd[2]])
+    out["got"] = [comm.take(fwd[k]).tolist() for k in (2, 1, 0)]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_spec_followed_on_its_channel_in_one_exchange_raises_on_the_sender():
+    sender, receiver = run_distributed(_same_channel_twice, 2, timeout=60)
+    assert len(sender["errors"]) == 2, sender
+    assert all("follows, in the same exchange" in e and "separate exchanges" in e for e in sender["errors"])
+    assert "microbatch 1" in sender["errors"][0] and "microbatch 3" in sender["errors"][1]
+    assert receiver["got"] == [[[2.0] * 3] * 3, [[1.0] * 3] * 2, [[0.0] * 3] * 2]

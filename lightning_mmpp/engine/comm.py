@@ -22,7 +22,9 @@ Wire protocol (per forward *channel* = (src rank, dst rank, src module, dst modu
   direct leaves unwritten), then its *further parts*: an int64 length, the serialised spec, the
   data part of the new spec. A message's first part goes on tag 0, its further parts on
   :data:`LATER_PARTS_TAG`. The receiver plans every message of a channel in one post with the
-  spec it knows, so of a channel's messages in one exchange only the last may change the spec.
+  spec it knows, so of a channel's messages in one exchange only the last may change the spec
+  (the sender raises :class:`~lightning_mmpp.errors.PipelineConfigError` otherwise, before
+  posting anything).
 * The steady state of a one-tensor message to one remote peer is checked against the channel's
   cached spec directly (shape, dtype, ``requires_grad``), without flattening the payload or
   building a spec, and packed through views of the channel's buffer kept from its last message.
@@ -571,6 +573,8 @@ class MultiModuleCommunicator:
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
         self._packed: set[tuple[int, Direction, str, str, int, int]] = set()
+        # forward channels whose spec changed in the current post (no later message may follow on them)
+        self._changed: set[_Channel] = set()
         # which samples every replica holds in this step's microbatches (bridges routed by item count)
         self.routing: Optional[SampleRouting] = None
         # the layout is fixed: this rank's slot and the peers at the other end of each edge,
@@ -615,7 +619,7 @@ class MultiModuleCommunicator:
         with an open group, since per-pair in-order matching must see those parts first).
         """
         recvs = list(recvs)
-        self._packed = set()
+        self._packed, self._changed = set(), set()
         # The previous post's sends first: on gloo, sends left in flight compete for the link and
         # the cores with the transfer the next compute waits for (measured: benchmarks/bench_overlap.py).
         self._wait_sends(keep_later_rounds=True)
@@ -904,8 +908,9 @@ class MultiModuleCommunicator:
             # the steady state of a one-tensor message to one remote peer: the channel's cached
             # spec is checked against the tensor directly, nothing is flattened or built
             peer = peers[0]
-            cached = self._send_cache.get(_channel(self.rank, peer.rank, key, self._training))
-            if cached is not None and cached.matches_tensor(payload):
+            channel = _channel(self.rank, peer.rank, key, self._training)
+            cached = self._send_cache.get(channel)
+            if cached is not None and channel not in self._changed and cached.matches_tensor(payload):
                 part = self._data_part(peer.rank, key, [payload], cached.wire(False, self.direct_leaf_bytes))
                 outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, [part]))
                 self._sent[key.edge] = [_PeerState(peer.rank, peer.chunk, cached)]
@@ -932,6 +937,13 @@ class MultiModuleCommunicator:
                 continue
             parts: list[list[torch.Tensor]] = []
             channel = _channel(self.rank, peer.rank, key, self._training)
+            if channel in self._changed:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: {where} to rank {peer.rank} (microbatch {key.microbatch}) follows, in the same "
+                    "exchange, a message of the same channel whose spec changed; the receiver sizes every message "
+                    "of a channel in one exchange by the spec it knew before. Send them in separate exchanges "
+                    "(the built-in schedules do), or keep the spec of all but the last."
+                )
             cached = self._send_cache.get(channel)
             if cached == spec:
                 spec = states[-1].spec = cached  # the cached object: its wire layouts are computed already
@@ -952,6 +964,7 @@ class MultiModuleCommunicator:
                 parts.append([torch.tensor([len(blob)], dtype=torch.int64, device=self.device)])
                 parts.append([torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)])
                 self._send_cache[channel] = spec
+                self._changed.add(channel)
                 self.stats.metadata_exchanges += 1
             parts.append(self._data_part(peer.rank, key, leaves, spec.wire(False, self.direct_leaf_bytes)))
             outgoing.append(_Outgoing(_order(key, self.rank, peer.rank), peer.rank, parts))
