@@ -77,7 +77,7 @@ first collective (see ``torch.distributed.batch_isend_irecv``).
 Send completion: the send works of a post are kept (with their buffers) and waited at the
 start of the next post or by :meth:`MultiModuleCommunicator.wait_sends`. A channel packs its
 next message into its previous send buffer; on CPU a receive goes into a buffer of the channel
-that nothing references any more (:class:`_ReceiveBuffers`).
+that nothing references any more (:class:`~lightning_mmpp.engine.incoming.ReceiveBuffers`).
 
 Same-rank peers (colocated modules) move no bytes: the payload object is handed over with every
 tensor leaf detached (``requires_grad`` kept), and gradients are handed back as objects.
@@ -86,10 +86,6 @@ tensor leaf detached (``requires_grad`` kept), and gradients are handed back as 
 from __future__ import annotations
 
 import enum
-import functools
-import struct
-import weakref
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
@@ -99,6 +95,18 @@ import torch.distributed as dist
 
 from lightning_mmpp.core.actions import Direction, MessageKey
 from lightning_mmpp.errors import ExchangeMismatchError, PipelineConfigError
+from lightning_mmpp.engine.incoming import (
+    BackwardIncoming,
+    Channel,
+    ForwardIncoming,
+    Incoming,
+    ReceiveBuffers,
+    ReceiveGroup,
+    buffer_slot,
+    channel_of,
+    describe_key,
+    message_tag,
+)
 from lightning_mmpp.engine.payload import (
     FLAG_DATA,
     FLAG_STALE,
@@ -107,13 +115,11 @@ from lightning_mmpp.engine.payload import (
     WireLayout,
     DIRECT_LEAF_BYTES,
     concat_payloads,
-    direct_leaf,
     flatten_payload,
     leaf_batch_dims,
     pack,
     pack_header,
     split_payload,
-    unpack,
     wire_tensor,
 )
 from lightning_mmpp.core.placement import BridgePeer, PipelineLayout, StageSlot
@@ -128,25 +134,6 @@ BACKWARD = Direction.BACKWARD
 # the tag of a changed spec's further parts (length, spec, new data); first parts go on tag 0,
 # so on gloo, which matches a pair's transfers per tag, a receive posted ahead never meets them
 LATER_PARTS_TAG = 1
-
-
-@functools.lru_cache(maxsize=8192)
-def message_tag(key: MessageKey) -> int:
-    """A stable 32-bit tag of ``key``, written into the header of every packed buffer of it
-    (cached: every message of a step asks for its tag on both ends)."""
-    text = f"{key.direction.value}|{key.src_module}|{key.dst_module}|{key.microbatch}"
-    if key.src_chunk or key.dst_chunk:  # virtual stages: two chunks of a module share a rank pair
-        text += f"|{key.src_chunk}|{key.dst_chunk}"
-    return zlib.crc32(text.encode())
-
-
-def _describe(key: MessageKey) -> str:
-    return f"{key.direction.value} {key.src_module}{key.direction.arrow}{key.dst_module} mb{key.microbatch}"
-
-
-# the packed header (flag, tag) as the sender's int64 view of the buffer writes it
-_HEADER = struct.Struct("=qq")
-assert _HEADER.size == HEADER_BYTES
 
 
 @dataclass
@@ -173,18 +160,6 @@ class CommStats:
         return asdict(self)
 
 
-# (src rank, dst rank, src module, dst module, src chunk, dst chunk, training step): a forward
-# channel; its spec is cached at both ends (the chunks tell apart the stages of a module with
-# virtual stages that one rank pair connects). Training and forward-only steps keep apart caches: a training step's
-# activations require grad, an evaluation step's do not, so alternating steps do not re-send
-# specs, and a ``static_specs`` promise holds per kind of step.
-_Channel = tuple[int, int, str, str, int, int, bool]
-
-
-def _channel(sender: int, receiver: int, key: MessageKey, training: bool) -> _Channel:
-    return (sender, receiver, key.src_module, key.dst_module, key.src_chunk, key.dst_chunk, training)
-
-
 def _order(key: MessageKey, sender: int, receiver: int) -> tuple[Any, ...]:
     return (key, sender, receiver)
 
@@ -205,298 +180,21 @@ class _Outgoing:
     parts: list[list[torch.Tensor]]  # the first part, then the further parts: the tensors of each, in order
 
 
-class _Incoming:
-    """A message from a remote peer, received part by part (a first part, then any further parts)."""
-
-    peer: int
-    done: bool
-
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int) -> None:
-        self.key = key
-        self.peer = peer
-        self.order = order
-        self.direct_bytes = direct_bytes  # the communicator's direct_leaf_bytes
-        self.buffer: Optional[torch.Tensor] = None
-        self.lent: Optional[_LentBuffer] = None  # the pooled memory of a data part's packed buffer
-        self.direct: list[torch.Tensor] = []  # the direct leaves' buffers of a data part
-        # the data part's leaves (views into its buffers), made when its buffers are: before the
-        # wait, so the take that follows the wait only reads the header
-        self.received: Optional[list[Optional[torch.Tensor]]] = None
-        self.done = False
-
-    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
-        """The buffers of the next part, in the order the sender sends them."""
-        raise NotImplementedError
-
-    def data_buffers(self, spec: PayloadSpec, wire: WireLayout, device: torch.device,
-                     pool: "_ReceiveBuffers") -> list[torch.Tensor]:
-        """A data part's buffers: the packed one, then one per direct leaf (each pooled by its
-        own slot of the channel). The leaves the part will hold (:meth:`leaves`) are made here,
-        as views, while nothing waits for them yet."""
-        slot = self.channel_slot
-        self.buffer, self.lent = pool.get_lent(slot, wire.packed.nbytes, device)
-        self.direct = [pool.get((*slot, index), meta.nbytes, device)
-                       for index, meta in zip(wire.direct_indices, wire.direct_metas)]
-        leaves: list[Optional[torch.Tensor]] = [None] * spec.num_leaves
-        for index, tensor in zip(wire.packed.indices, unpack(self.buffer, wire.packed, checked=False)):
-            leaves[index] = tensor
-        for index, meta, buffer in zip(wire.direct_indices, wire.direct_metas, self.direct):
-            leaves[index] = direct_leaf(buffer, meta)
-        self.received = leaves
-        return [self.buffer, *self.direct]
-
-    def leaves(self) -> list[Optional[torch.Tensor]]:
-        """The received data part's leaves (views into its buffers), ``None`` where nothing travels."""
-        assert self.buffer is not None and self.received is not None, "leaves() of a data part that was not posted"
-        return self.received
-
-    def steady(self) -> bool:
-        """Whether the received buffer is the whole message when the spec did not change."""
-        return False
-
-    @property
-    def channel_slot(self) -> tuple[int, Direction, str, str, int, int]:
-        """The channel whose receive buffers this reuses."""
-        return _buffer_slot(self.peer, self.key)
-
-    def scalars(self) -> Optional[torch.Tensor]:
-        """The int64 values of the received buffer the state machine needs on the host."""
-        return None
-
-    def host_header(self) -> Optional[list[int]]:
-        """The values :meth:`scalars` would give, read from pooled host memory without a tensor
-        op; ``None`` where they must come from :meth:`scalars`."""
-        return None
-
-    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
-        """Take the received part's ``values`` (see :meth:`scalars`) on ``rank``; returns the spec
-        of the channel when this part completed a new one."""
-        raise NotImplementedError
-
-    def check_tag(self, tag: int, rank: int) -> None:
-        if tag != message_tag(self.key):
-            raise ExchangeMismatchError(
-                f"rank {rank} expected '{_describe(self.key)}' from rank {self.peer} but received a buffer with "
-                f"tag {tag} (expected {message_tag(self.key)}): the two ranks issued their exchanges with different "
-                "messages or in a different order. Every exchange's messages between two ranks must be "
-                "matched by one exchange on the peer, in the same order."
-            )
-
-
-class _Part(enum.Enum):
-    """What a forward message's next received buffer is (see the wire protocol above)."""
-
-    DATA = "data"  # a data buffer of the cached spec's size (or a stale flag)
-    LENGTH = "length"  # the int64 length of the serialised spec
-    SPEC = "spec"  # the serialised spec
-    NEW_DATA = "new_data"  # the data buffer of the new spec's size
-
-
-class _ForwardIncoming(_Incoming):
-    """Parts: ``DATA`` (cached spec) -> [flag stale] -> ``LENGTH`` -> ``SPEC`` -> ``NEW_DATA``."""
-
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int, channel: _Channel,
-                 cached: Optional[PayloadSpec]) -> None:
-        super().__init__(key, peer, order, direct_bytes)
-        self.channel = channel
-        self.spec = cached
-        self.part = _Part.DATA if cached is not None else _Part.LENGTH
-        self.spec_len = 0
-
-    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
-        if self.part in (_Part.DATA, _Part.NEW_DATA):
-            assert self.spec is not None
-            return self.data_buffers(self.spec, self.spec.wire(False, self.direct_bytes), device, pool)
-        self.direct, self.lent, self.received = [], None, None
-        if self.part is _Part.LENGTH:
-            self.buffer = torch.empty(1, dtype=torch.int64, device=device)
-        else:
-            self.buffer = torch.empty(self.spec_len, dtype=torch.uint8, device=device)
-        return [self.buffer]
-
-    def steady(self) -> bool:
-        return self.part is _Part.DATA
-
-    def host_header(self) -> Optional[list[int]]:
-        if self.lent is None or self.part not in (_Part.DATA, _Part.NEW_DATA):
-            return None
-        return self.lent.header()
-
-    def scalars(self) -> Optional[torch.Tensor]:
-        assert self.buffer is not None
-        if self.part in (_Part.DATA, _Part.NEW_DATA):
-            return self.buffer[:HEADER_BYTES].view(torch.int64)
-        if self.part is _Part.LENGTH:
-            return self.buffer
-        return None
-
-    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
-        assert self.buffer is not None
-        if self.part in (_Part.DATA, _Part.NEW_DATA):
-            flag, tag = values
-            self.check_tag(tag, rank)
-            if flag == FLAG_DATA:
-                self.done = True
-            elif flag == FLAG_STALE and self.part is _Part.DATA:
-                self.part = _Part.LENGTH
-            else:
-                raise RuntimeError(f"rank {rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
-        elif self.part is _Part.LENGTH:
-            (self.spec_len,) = values
-            self.part = _Part.SPEC
-        else:
-            self.spec = PayloadSpec.from_bytes(bytes(self.buffer.cpu().tolist()))
-            self.part = _Part.NEW_DATA
-            return self.spec
-        return None
-
-
-class _BackwardIncoming(_Incoming):
-    """A gradient buffer whose layout both ends derive from the forward spec."""
-
-    def __init__(self, key: MessageKey, peer: int, order: tuple[Any, ...], direct_bytes: int,
-                 spec: PayloadSpec) -> None:
-        super().__init__(key, peer, order, direct_bytes)
-        self.spec = spec
-        self.wire: WireLayout = spec.wire(True, direct_bytes)
-
-    def next_buffers(self, device: torch.device, pool: "_ReceiveBuffers") -> list[torch.Tensor]:
-        return self.data_buffers(self.spec, self.wire, device, pool)
-
-    def steady(self) -> bool:
-        return True
-
-    def host_header(self) -> Optional[list[int]]:
-        return None if self.lent is None else self.lent.header()
-
-    def scalars(self) -> Optional[torch.Tensor]:
-        assert self.buffer is not None
-        return self.buffer[:HEADER_BYTES].view(torch.int64)
-
-    def advance(self, values: list[int], rank: int) -> Optional[PayloadSpec]:
-        flag, tag = values
-        self.check_tag(tag, rank)
-        if flag != FLAG_DATA:
-            raise RuntimeError(f"rank {rank}: bad header flag {flag} in '{_describe(self.key)}' from rank {self.peer}")
-        self.done = True
-        return None
-
-
-def _buffer_slot(peer: int, key: MessageKey) -> tuple[int, Direction, str, str, int, int]:
-    """(peer, direction, src module, dst module, src chunk, dst chunk): the channel a send or
-    receive buffer is kept for."""
-    return (peer, key.direction, key.src_module, key.dst_module, key.src_chunk, key.dst_chunk)
-
-
 def _leaves(spec: PayloadSpec) -> str:
     """A spec's tensor leaves as ``[dtype shape, ...]`` for messages."""
     return "[" + ", ".join("None" if m is None else f"{str(m.dtype).replace('torch.', '')}{list(m.shape)}"
                            for m in spec.leaves) + "]"
 
 
-class _LentBuffer:
-    """One pooled receive buffer: memory the pool owns, lent as a tensor over a fresh memoryview.
-
-    ``torch.frombuffer`` makes a tensor whose storage holds the memoryview it was given until
-    the storage is freed, and every alias of that tensor (a view, ``detach()``, ``.data``, a
-    tensor saved for backward) shares the storage. The pool keeps only a weak reference to the
-    memoryview of the latest loan: once it is dead, nothing can read or write the memory any
-    more, and the buffer can be lent again.
-    """
-
-    ALIGNMENT = 64  # bytes, as torch's CPU allocator
-
-    def __init__(self, nbytes: int) -> None:
-        self.memory = bytearray(nbytes + self.ALIGNMENT - 1)
-        address = torch.frombuffer(self.memory, dtype=torch.uint8).data_ptr()
-        self.start = -address % self.ALIGNMENT
-        self.nbytes = nbytes
-        self.loan: Optional[weakref.ref[memoryview]] = None
-
-    def returned(self) -> bool:
-        """Whether nothing uses the latest loan any more (or it was never lent)."""
-        return self.loan is None or self.loan() is None
-
-    def lend(self) -> torch.Tensor:
-        view = memoryview(self.memory)[self.start : self.start + self.nbytes]
-        self.loan = weakref.ref(view)
-        return torch.frombuffer(view, dtype=torch.uint8)
-
-    def header(self) -> list[int]:
-        """The two int64 values of the packed header (flag, tag) the latest loan received, read
-        from the memory directly: no tensor is built to read them."""
-        return list(_HEADER.unpack_from(self.memory, self.start))
-
-
-class _ReceiveBuffers:
-    """Receive buffers per channel, lent again once nothing uses them (CPU only).
-
-    A received payload is a set of views into its buffer and lives as long as the stage keeps
-    it (until its backward), or longer where the user keeps it. A buffer is lent again only
-    once nothing derived from its last loan exists (:class:`_LentBuffer`). Each channel keeps
-    buffers of its latest message size only, at most as many as it ever had in use at once
-    (the step's own peak; capped at :data:`MAX_POOLED`). Reusing saves the page faults of a
-    fresh allocation (see benchmarks/README.md, "Transfers beside compute"). On accelerators
-    the caching allocator already reuses memory (and knows the streams still using it), so
-    buffers come from ``torch.empty`` there.
-    """
-
-    MAX_POOLED = 64
-
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
-        self.enabled = enabled and device.type == "cpu"
-        # per channel: the size of its last message and the buffers of that size (a new size
-        # drops them, so variable shapes cannot pile up buffers of every size seen)
-        self.buffers: dict[tuple[Any, ...], tuple[int, list[_LentBuffer]]] = {}
-
-    def get(self, slot: tuple[Any, ...], nbytes: int, device: torch.device) -> torch.Tensor:
-        return self.get_lent(slot, nbytes, device)[0]
-
-    def get_lent(self, slot: tuple[Any, ...], nbytes: int,
-                 device: torch.device) -> tuple[torch.Tensor, Optional[_LentBuffer]]:
-        """A buffer of ``nbytes`` for ``slot``, and the pooled buffer it was lent from (``None``
-        where it is a fresh tensor)."""
-        if not self.enabled:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
-        size, pool = self.buffers.get(slot, (-1, []))
-        if size != nbytes:
-            pool = []
-            self.buffers[slot] = (nbytes, pool)
-        for buffer in pool:
-            if buffer.returned():
-                return buffer.lend(), buffer
-        if len(pool) >= self.MAX_POOLED:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
-        pool.append(_LentBuffer(nbytes))
-        return pool[-1].lend(), pool[-1]
-
-
 class _Origin(enum.Enum):
     """Where one piece of a received message comes from."""
 
     READY = "ready"  # an object at hand: a same-rank handover, or no gradient at all
-    REMOTE = "remote"  # an :class:`_Incoming` message from another rank
+    REMOTE = "remote"  # an :class:`Incoming` message from another rank
 
 
-@dataclass(eq=False)
-class _Group:
-    """The messages one :meth:`MultiModuleCommunicator.post` (or ``post_ahead``) receives from
-    one peer: their first parts posted together and completed together; a changed spec's
-    further parts then message by message."""
-
-    peer: int
-    messages: list[_Incoming]
-    works: list[Any]  # the receive works of the first parts
-    done: bool = False
-
-    def unsettled(self, channel: Optional[_Channel] = None) -> bool:
-        """Whether a message of the group (on ``channel``, or any) may still need further parts."""
-        return any(not m.done and isinstance(m, _ForwardIncoming) and channel in (None, m.channel)
-                   for m in self.messages)
-
-
-# One source of a received message: (READY, payload) or (REMOTE, _Incoming).
-_Source = Union[tuple[_Origin, Any], tuple[_Origin, _Incoming]]
+# One source of a received message: (READY, payload) or (REMOTE, Incoming).
+_Source = Union[tuple[_Origin, Any], tuple[_Origin, Incoming]]
 
 
 class MultiModuleCommunicator:
@@ -517,9 +215,10 @@ class MultiModuleCommunicator:
             whose spec changes raises :class:`~lightning_mmpp.errors.PipelineConfigError`
             before anything is posted. The first message of a channel still carries its spec.
         reuse_receive_buffers: on CPU, receive into a buffer the channel used before once
-            nothing uses it any more (warm pages, see :class:`_ReceiveBuffers`); ``False``: a
-            fresh buffer per message, for comparison (``benchmarks/bench_overlap.py --receive-pool``);
-            settable later as :attr:`reuse_receive_buffers`.
+            nothing uses it any more (warm pages, see
+            :class:`~lightning_mmpp.engine.incoming.ReceiveBuffers`); ``False``: a fresh buffer per
+            message, for comparison (``benchmarks/bench_overlap.py --receive-pool``); settable
+            later as :attr:`reuse_receive_buffers`.
         direct_leaf_bytes: a tensor leaf of at least this many bytes travels as a transfer of its
             own, sent from and received into the tensor's memory, instead of being copied into the
             message's packed buffer (:class:`~lightning_mmpp.engine.payload.WireLayout`). Every
@@ -547,8 +246,8 @@ class MultiModuleCommunicator:
         self.group = group
         self.stats = CommStats()
         self._training = True  # the kind of the step under way (see begin_step)
-        self._send_cache: dict[_Channel, PayloadSpec] = {}
-        self._recv_cache: dict[_Channel, PayloadSpec] = {}
+        self._send_cache: dict[Channel, PayloadSpec] = {}
+        self._recv_cache: dict[Channel, PayloadSpec] = {}
         # Forward state kept for the backward of the same microbatch, keyed by MessageKey.edge.
         self._sent: dict[tuple[str, str, int], list[_PeerState]] = {}
         self._received: dict[tuple[str, str, int], tuple[PayloadSpec, list[_PeerState]]] = {}
@@ -557,24 +256,24 @@ class MultiModuleCommunicator:
         # (work, buffer, whether it is a further part of a changed spec's message)
         self._pending_sends: list[tuple[Any, Optional[torch.Tensor], bool]] = []
         # Receives posted and not taken: key -> (its sources, the groups its remote parts are in).
-        self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[_Group]]] = {}
+        self._inbox: dict[MessageKey, tuple[list[tuple[BridgePeer, _Source]], list[ReceiveGroup]]] = {}
         # peer -> its posted groups not complete yet that hold a message which may need further
         # parts, in posting order (see _complete)
-        self._open: dict[int, list[_Group]] = {}
+        self._open: dict[int, list[ReceiveGroup]] = {}
         # the last packed buffer per (peer, direction, src module, dst module), reused by the next
         # message of the channel; ``_packed``: channels packed in the current post
         self._send_buffers: dict[tuple[int, Direction, str, str, int, int], torch.Tensor] = {}
         # per channel: (its last packed buffer, the layout packed, a numpy view of the header on
         # CPU, a view per leaf entry), to pack the next message of the same layout without slicing
         self._pack_views: dict[tuple[int, Direction, str, str, int, int], tuple[Any, ...]] = {}
-        self._recv_buffers = _ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
+        self._recv_buffers = ReceiveBuffers(self.device, enabled=reuse_receive_buffers)
         self.static_specs = static_specs
         self.direct_leaf_bytes = direct_leaf_bytes
         # static_specs: (key, peer, header view) of the messages taken unread this step
         self._deferred: list[tuple[MessageKey, int, torch.Tensor]] = []
         self._packed: set[tuple[int, Direction, str, str, int, int]] = set()
         # forward channels whose spec changed in the current post (no later message may follow on them)
-        self._changed: set[_Channel] = set()
+        self._changed: set[Channel] = set()
         # which samples every replica holds in this step's microbatches (bridges routed by item count)
         self.routing: Optional[SampleRouting] = None
         # the layout is fixed: this rank's slot and the peers at the other end of each edge,
@@ -679,7 +378,7 @@ class MultiModuleCommunicator:
             return False
         if forward:
             for peer in peers:
-                channel = _channel(peer.rank, self.rank, key, self._training)
+                channel = channel_of(peer.rank, self.rank, key, self._training)
                 if channel not in self._recv_cache or any(g.unsettled(channel) for g in self._open.get(peer.rank, ())):
                     return False
         elif key.edge not in self._sent:
@@ -701,26 +400,26 @@ class MultiModuleCommunicator:
             return
         if key.direction != FORWARD:
             return
-        channel = _channel(peer, self.rank, key, self._training)
+        channel = channel_of(peer, self.rank, key, self._training)
         for group in reversed(groups):
             if group.unsettled(channel):
                 self._complete(group)
                 return
 
-    def _file(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]], groups: dict[int, "_Group"]) -> None:
+    def _file(self, key: MessageKey, sources: list[tuple[BridgePeer, _Source]], groups: dict[int, "ReceiveGroup"]) -> None:
         """Keep a posted receive for :meth:`take`: its sources and the groups its remote parts are in."""
         peers = {src.peer for _, (kind, src) in sources if kind is _Origin.REMOTE}
         self._inbox[key] = (sources, [groups[peer] for peer in sorted(peers)])
 
     def _plan_receives(
         self, recvs: list[MessageKey]
-    ) -> tuple[list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]], list[_Incoming]]:
+    ) -> tuple[list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]], list[Incoming]]:
         """Each receive's sources, and the messages to post for those on other ranks."""
         pending: list[tuple[MessageKey, list[tuple[BridgePeer, _Source]]]] = []
-        incoming: list[_Incoming] = []
+        incoming: list[Incoming] = []
         for key in recvs:
             if key in self._inbox:
-                raise RuntimeError(f"rank {self.rank}: '{_describe(key)}' is posted twice without a take()")
+                raise RuntimeError(f"rank {self.rank}: '{describe_key(key)}' is posted twice without a take()")
             sources = self._plan_forward_recv(key) if key.direction == FORWARD else self._plan_backward_recv(key)
             pending.append((key, sources))
             incoming.extend(src for _, (kind, src) in sources if kind is _Origin.REMOTE)
@@ -731,7 +430,7 @@ class MultiModuleCommunicator:
         try:
             sources, groups = self._inbox.pop(key)
         except KeyError:
-            raise RuntimeError(f"rank {self.rank}: take('{_describe(key)}') without a post() of it") from None
+            raise RuntimeError(f"rank {self.rank}: take('{describe_key(key)}') without a post() of it") from None
         for group in groups:
             self._complete(group)
         if key.direction == FORWARD:
@@ -801,7 +500,7 @@ class MultiModuleCommunicator:
             flag, tag = flat[2 * i], flat[2 * i + 1]
             if flag != FLAG_DATA or tag != message_tag(key):
                 raise ExchangeMismatchError(
-                    f"rank {self.rank} took '{_describe(key)}' from rank {peer} unread (static_shapes) and its "
+                    f"rank {self.rank} took '{describe_key(key)}' from rank {peer} unread (static_shapes) and its "
                     f"header says flag {flag}, tag {tag} (expected {FLAG_DATA}, {message_tag(key)}): the two ranks "
                     "exchanged different messages or in a different order, or the peer's payload changed."
                 )
@@ -875,7 +574,7 @@ class MultiModuleCommunicator:
             what, verb, others, none = (("output", "go to", "consumers", "last stage of a sink") if downstream
                                         else ("input", "come from", "producers", "first stage of a source"))
             raise ValueError(
-                f"'{_describe(key)}': the {what} of rank {self.rank}'s stage {slot.stage} of {mine!r} does not {verb} "
+                f"'{describe_key(key)}': the {what} of rank {self.rank}'s stage {slot.stage} of {mine!r} does not {verb} "
                 f"{theirs!r}; its {others} are {self._distinct(edges) or f'none ({none})'}."
             )
         resolved = (slot, sorted(peers, key=lambda p: p.chunk))
@@ -897,7 +596,7 @@ class MultiModuleCommunicator:
             return None
         if self.routing is None:
             raise RuntimeError(
-                f"rank {self.rank}: '{_describe(key)}' crosses a bridge routed by item count but no sample routing "
+                f"rank {self.rank}: '{describe_key(key)}' crosses a bridge routed by item count but no sample routing "
                 "was set; set comm.routing (BatchSplitter.routing) for the step before exchanging."
             )
         return self.routing.piece_sizes(key.src_module, key.dst_module, slot.replica, True, key.microbatch)
@@ -908,7 +607,7 @@ class MultiModuleCommunicator:
             # the steady state of a one-tensor message to one remote peer: the channel's cached
             # spec is checked against the tensor directly, nothing is flattened or built
             peer = peers[0]
-            channel = _channel(self.rank, peer.rank, key, self._training)
+            channel = channel_of(self.rank, peer.rank, key, self._training)
             cached = self._send_cache.get(channel)
             if cached is not None and channel not in self._changed and cached.matches_tensor(payload):
                 part = self._data_part(peer.rank, key, [payload], cached.wire(False, self.direct_leaf_bytes))
@@ -936,7 +635,7 @@ class MultiModuleCommunicator:
                 self.stats.local_handovers += 1
                 continue
             parts: list[list[torch.Tensor]] = []
-            channel = _channel(self.rank, peer.rank, key, self._training)
+            channel = channel_of(self.rank, peer.rank, key, self._training)
             if channel in self._changed:
                 raise PipelineConfigError(
                     f"rank {self.rank}: {where} to rank {peer.rank} (microbatch {key.microbatch}) follows, in the same "
@@ -975,7 +674,7 @@ class MultiModuleCommunicator:
         state = self._received.pop(key.edge, None)
         if state is None:
             raise RuntimeError(
-                f"rank {self.rank}: backward send '{_describe(key)}' without a forward recv of the same microbatch "
+                f"rank {self.rank}: backward send '{describe_key(key)}' without a forward recv of the same microbatch "
                 "(or its backward was already sent)."
             )
         combined, peer_states = state
@@ -1042,7 +741,7 @@ class MultiModuleCommunicator:
                    wire: WireLayout) -> list[torch.Tensor]:
         """The tensors of a data part to ``peer``: the small leaves packed (into the channel's
         previous buffer when it is free), then every direct leaf's own memory (no copy)."""
-        slot = _buffer_slot(peer, key)
+        slot = buffer_slot(peer, key)
         reuse = self._send_buffer(slot, wire.packed.nbytes)
         packed = [leaves[i] for i in wire.packed.indices]
         views = self._pack_views.get(slot)
@@ -1070,7 +769,7 @@ class MultiModuleCommunicator:
 
     def _send_buffer(self, slot: tuple[int, Direction, str, str, int, int], nbytes: int) -> Optional[torch.Tensor]:
         """The packed buffer of the last message on this (peer, direction, edge) channel
-        (``slot``, see :func:`_buffer_slot`), to pack into again: free, since a post first waits
+        (``slot``, see :func:`buffer_slot`), to pack into again: free, since a post first waits
         for the previous posts' sends; not one already used in this post."""
         buffer = self._send_buffers.get(slot)
         if buffer is None or slot in self._packed or buffer.numel() != nbytes:
@@ -1084,7 +783,7 @@ class MultiModuleCommunicator:
             return self._mailbox.pop(key)
         except KeyError:
             raise RuntimeError(
-                f"rank {self.rank}: '{_describe(key)}' comes from this same rank (colocated modules) but was not sent yet; "
+                f"rank {self.rank}: '{describe_key(key)}' comes from this same rank (colocated modules) but was not sent yet; "
                 "send it in this exchange or an earlier one."
             ) from None
 
@@ -1095,8 +794,8 @@ class MultiModuleCommunicator:
             if peer.rank == self.rank:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
                 continue
-            channel = _channel(peer.rank, self.rank, key, self._training)
-            msg = _ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
+            channel = channel_of(peer.rank, self.rank, key, self._training)
+            msg = ForwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
                                    channel, self._recv_cache.get(channel))
             sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
@@ -1106,7 +805,7 @@ class MultiModuleCommunicator:
         states = self._sent.pop(key.edge, None)
         if states is None:
             raise RuntimeError(
-                f"rank {self.rank}: backward recv '{_describe(key)}' without a forward send of the same microbatch "
+                f"rank {self.rank}: backward recv '{describe_key(key)}' without a forward send of the same microbatch "
                 "(or its backward was already received)."
             )
         sources: list[tuple[BridgePeer, _Source]] = []
@@ -1116,7 +815,7 @@ class MultiModuleCommunicator:
             elif peer.rank == self.rank:
                 sources.append((peer, (_Origin.READY, self._take_local(key))))
             else:
-                msg = _BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
+                msg = BackwardIncoming(key, peer.rank, _order(key, peer.rank, self.rank), self.direct_leaf_bytes,
                                         state.spec)
                 sources.append((peer, (_Origin.REMOTE, msg)))
         return sources
@@ -1132,7 +831,7 @@ class MultiModuleCommunicator:
                 "initialised; initialise the process group before the first exchange."
             )
 
-    def _post_batch(self, outgoing: list[_Outgoing], incoming: list[_Incoming]) -> dict[int, "_Group"]:
+    def _post_batch(self, outgoing: list[_Outgoing], incoming: list[Incoming]) -> dict[int, "ReceiveGroup"]:
         """Post every part of ``outgoing`` and the first part of ``incoming``; return the new
         receive groups by peer.
 
@@ -1149,7 +848,7 @@ class MultiModuleCommunicator:
             outgoing = sorted(outgoing, key=lambda m: m.order)
         if len(incoming) > 1:
             incoming = sorted(incoming, key=lambda m: m.order)
-        by_peer: dict[int, list[_Incoming]] = {}
+        by_peer: dict[int, list[Incoming]] = {}
         for msg in incoming:
             by_peer.setdefault(msg.peer, []).append(msg)
         assert self._tagged_later_parts or not by_peer.keys() & self._open.keys(), \
@@ -1162,16 +861,16 @@ class MultiModuleCommunicator:
         recv_parts = [part for msg in incoming for part in self._recv_parts(msg)]
         works = self._post_parts(first, recv_parts)
         self.stats.rounds += 1
-        groups: dict[int, _Group] = {}
+        groups: dict[int, ReceiveGroup] = {}
         if len(works) == len(first) + len(recv_parts):  # one work per op (gloo)
             self._pending_sends.extend((w, buffer, False) for w, (buffer, _) in zip(works, first))
             recv_works = works[len(first):]
             for peer, msgs in by_peer.items():
-                groups[peer] = _Group(peer, msgs, [w for w, (_, p) in zip(recv_works, recv_parts) if p == peer])
+                groups[peer] = ReceiveGroup(peer, msgs, [w for w, (_, p) in zip(recv_works, recv_parts) if p == peer])
         else:  # coalesced (NCCL): the works cover the whole batch (a stream wait, not a host wait)
             self._pending_sends.extend((w, None, False) for w in works)
             for peer, msgs in by_peer.items():
-                groups[peer] = _Group(peer, msgs, list(works))
+                groups[peer] = ReceiveGroup(peer, msgs, list(works))
         if later:
             works = self._post_parts(later, [], LATER_PARTS_TAG)
             self.stats.rounds += 1
@@ -1184,12 +883,12 @@ class MultiModuleCommunicator:
                 self._open.setdefault(peer, []).append(group)
         return groups
 
-    def _whole_at_once(self, msg: _Incoming) -> bool:
+    def _whole_at_once(self, msg: Incoming) -> bool:
         """Whether ``msg`` is whole in its first part whatever its sender sends: a gradient (never
         metadata), or with ``static_specs`` a forward message on a channel whose spec is cached
         (a sender whose spec changes raises instead). Nothing later from its peer can then be
         matched with a further part of it, so its group need not be complete first."""
-        return isinstance(msg, _BackwardIncoming) or (self.static_specs and msg.steady())
+        return isinstance(msg, BackwardIncoming) or (self.static_specs and msg.steady())
 
     def _post_parts(self, sends: list[tuple[torch.Tensor, int]],
                     recvs: list[tuple[torch.Tensor, int]], tag: int = 0) -> list[Any]:
@@ -1211,13 +910,13 @@ class MultiModuleCommunicator:
         ops += [dist.P2POp(dist.irecv, buffer, peer, self.group, tag) for buffer, peer in recvs]
         return dist.batch_isend_irecv(ops)
 
-    def _recv_parts(self, msg: _Incoming) -> list[tuple[torch.Tensor, int]]:
+    def _recv_parts(self, msg: Incoming) -> list[tuple[torch.Tensor, int]]:
         buffers = msg.next_buffers(self.device, self._recv_buffers)
         self.stats.messages_received += 1
         self.stats.bytes_received += sum(b.numel() * b.element_size() for b in buffers)
         return [(buffer, msg.peer) for buffer in buffers]
 
-    def _complete(self, group: "_Group") -> None:
+    def _complete(self, group: "ReceiveGroup") -> None:
         """Make every message of ``group`` whole: the peer's earlier open groups first (their
         further parts come first on the pair), then wait for the group's first parts, read their
         headers, and receive each changed spec's further parts (length, spec, new data) message
@@ -1230,7 +929,7 @@ class MultiModuleCommunicator:
                 self._complete_one(earlier[0])
         self._complete_one(group)
 
-    def _complete_one(self, group: "_Group") -> None:
+    def _complete_one(self, group: "ReceiveGroup") -> None:
         for work in group.works:
             work.wait()
         self._advance(group.messages)
@@ -1247,7 +946,7 @@ class MultiModuleCommunicator:
             if not groups:
                 del self._open[group.peer]
 
-    def _advance(self, recvs: Sequence[_Incoming]) -> None:
+    def _advance(self, recvs: Sequence[Incoming]) -> None:
         if self.static_specs:  # steady-state messages are whole as received; headers read per step
             unread = [m for m in recvs if m.steady()]
             for msg in unread:
@@ -1275,11 +974,11 @@ class MultiModuleCommunicator:
                 cursor += view.numel()
             self._advanced(msg, values)
 
-    def _advanced(self, msg: _Incoming, values: list[int]) -> None:
+    def _advanced(self, msg: Incoming, values: list[int]) -> None:
         """Move ``msg`` on by its received part's ``values``; cache a forward channel's new spec."""
         spec = msg.advance(values, self.rank)
         if spec is not None:  # a forward channel's new spec, cached for its next messages
-            assert isinstance(msg, _ForwardIncoming)
+            assert isinstance(msg, ForwardIncoming)
             self._recv_cache[msg.channel] = spec
             self.stats.metadata_exchanges += 1
 
@@ -1290,9 +989,9 @@ class MultiModuleCommunicator:
         states: list[_PeerState] = []
         for peer, (kind, src) in sources:
             if kind is _Origin.READY:
-                leaves, spec = flatten_payload(src, f"'{_describe(key)}' on rank {self.rank}")
+                leaves, spec = flatten_payload(src, f"'{describe_key(key)}' on rank {self.rank}")
             else:
-                assert isinstance(src, _ForwardIncoming) and src.spec is not None and src.buffer is not None
+                assert isinstance(src, ForwardIncoming) and src.spec is not None and src.buffer is not None
                 spec = src.spec
                 leaves = src.leaves()
             chunks.append(leaves)
@@ -1310,7 +1009,7 @@ class MultiModuleCommunicator:
                 ])
             self._received[key.edge] = (spec, states)
             return payload
-        where = f"'{_describe(key)}' on rank {self.rank}"
+        where = f"'{describe_key(key)}' on rank {self.rank}"
         slot = self._slot(key.dst_module)
         context = (
             f"{self._bridge_context(key, 'fan-in')}: replicas on ranks {[s.rank for s in states]} into replica "
@@ -1335,7 +1034,7 @@ class MultiModuleCommunicator:
             if kind is _Origin.READY:
                 grads.append(src)
                 continue
-            assert isinstance(src, _BackwardIncoming) and src.buffer is not None
+            assert isinstance(src, BackwardIncoming) and src.buffer is not None
             leaves = src.leaves()
             grads.append(leaves[0] if src.spec.single_tensor is not None else src.spec.unflatten(leaves))
         if len(grads) == 1:
