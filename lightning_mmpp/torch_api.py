@@ -78,7 +78,7 @@ def wait_collective(tensor: Any) -> None:
         tensor.wait()
 
 
-def direct_p2p(group: Optional[Any]) -> tuple[Callable[[Any, int], Any], Callable[[Any, int], Any]]:
+def direct_p2p(group: Optional[Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(send, recv)``: post one tensor to / from a *global* rank on ``group`` (``None``: the
     default group) with a tag (default 0; gloo matches a pair's sends and receives per tag, in
     order), returning the backend's work.

@@ -451,3 +451,48 @@ def test_a_changed_spec_followed_on_its_channel_in_one_exchange_raises_on_the_se
     assert all("follows, in the same exchange" in e and "separate exchanges" in e for e in sender["errors"])
     assert "microbatch 1" in sender["errors"][0] and "microbatch 3" in sender["errors"][1]
     assert receiver["got"] == [[[2.0] * 3] * 3, [[1.0] * 3] * 2, [[0.0] * 3] * 2]
+
+
+FAN_AND_COLOCATED = {
+    "fan-in": PipelineLayout({"v": ModulePlacement(dp=2), "llm": ModulePlacement(pp=2)}, {"v": ["llm"], "llm": []}),
+    "colocated": PipelineLayout({"v": ModulePlacement(), "a": ModulePlacement(), "llm": ModulePlacement(rank_offset=0)},
+                                {"v": ["llm"], "a": ["llm"], "llm": []}),
+}
+
+
+def _ahead_fan_in_and_colocated(rank: int, world: int, name: str) -> dict:
+    from torch import nn
+
+    from lightning_mmpp.core.actions import Exchange
+    from lightning_mmpp.core.schedule import build_schedule
+    from lightning_mmpp.engine.runtime import PipelineRuntime
+    from lightning_mmpp.model.partition import StageRunner
+
+    layout = FAN_AND_COLOCATED[name]
+    schedule = build_schedule(layout, 6, "1f1b")
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    out: dict = {"remote keys": len({t.key for a in schedule.for_rank(rank) if isinstance(a, Exchange)
+                                     for t in a.recvs if t.peer != rank})}
+    for ahead in (2, 0):
+        torch.manual_seed(0)
+        runners = {s.module: StageRunner(s.module, s.stage, [nn.Linear(8, 8)], ["0"]) for s in layout.slots(rank)}
+        comm = MultiModuleCommunicator(layout, rank, torch.device("cpu"))
+        runtime = PipelineRuntime(layout, rank, comm, runners, _Hooks(), receive_ahead=ahead)
+        for _ in range(2):  # the second step: every channel's spec cached
+            comm.reset_stats()
+            runtime.run(schedule, lambda module, k: data[k])
+        out[ahead] = {m: r.layers[0].weight.grad.clone() for m, r in runners.items()}
+        out[("ahead", ahead)] = comm.stats.receives_ahead
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(FAN_AND_COLOCATED))
+def test_every_remote_receive_posted_ahead_on_fan_in_and_colocated_layouts(name):
+    """A fan-in key (one message per replica) is posted ahead once, with all its peers, and a key
+    from a colocated module (nothing to post) does not hold back the receives after it: in a
+    steady step every key from another rank goes ahead; the gradients equal those without."""
+    for rank, out in enumerate(run_distributed(_ahead_fan_in_and_colocated, FAN_AND_COLOCATED[name].world_size,
+                                               name, timeout=60)):
+        assert out[("ahead", 2)] == out["remote keys"] > 0 and out[("ahead", 0)] == 0, (rank, out)
+        assert all(torch.equal(out[2][m], out[0][m]) for m in out[0]), rank

@@ -352,9 +352,10 @@ class PipelineRuntime:
             previous sends) before the next action, for comparison.
         receive_ahead: with ``overlap``, after each exchange (and after a take, where the
             communicator refused one) the receives of up to this many later exchanges are
-            posted already, in the schedule's order, as far as the communicator allows (:meth:`~lightning_mmpp.engine.comm.MultiModuleCommunicator.post_ahead`):
-            a peer's data then lands while this rank computes instead of waiting for the
-            receive's notice. Each receive posted ahead holds its buffer from then on. 0: none.
+            posted already, in the schedule's order, as far as the communicator allows
+            (:meth:`~lightning_mmpp.engine.comm.MultiModuleCommunicator.post_ahead`): a peer's
+            data then lands while this rank computes instead of waiting for the receive's
+            notice. Each receive posted ahead holds its buffer from then on. 0: none.
     """
 
     def __init__(
@@ -461,7 +462,7 @@ class PipelineRuntime:
         assert not step.received and not step.out_grads and not step.losses and not step.pieces, "stash not drained"
         return step.result
 
-    def _post_ahead(self, step: "_StepState", receives: "_Receives", position: int) -> None:
+    def _post_ahead(self, step: "_StepState", receives: _Receives, position: int) -> None:
         """Post ahead the receives of the exchanges ``position`` .. ``position + receive_ahead``
         (ordinals), in schedule order, up to the first the communicator does not take ahead (the
         receives from a peer must be posted in the order of its sends); the rest are posted by
@@ -502,7 +503,8 @@ class PipelineRuntime:
         cached = self._programs.get(id(schedule))
         if cached is not None and cached[0] is schedule:
             return cached[1]
-        program = _Program.lower(schedule.for_rank(self.layout.tp_lead(self.rank)))  # a tp group runs its lead's
+        lead = self.layout.tp_lead(self.rank)
+        program = _Program.lower(schedule.for_rank(lead), lead)  # a tp group runs its lead's
         if len(self._programs) >= 16:  # schedules of past microbatch counts: keep a few
             self._programs.pop(next(iter(self._programs)))
         self._programs[id(schedule)] = (schedule, program)
@@ -760,11 +762,13 @@ class _Program:
     actions: tuple[Any, ...]
     steps: tuple[Any, ...]  # a _PreparedExchange or _PreparedCompute per action
     split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W
-    # every receive in schedule order: (its exchange's ordinal, consumer, key, peer)
-    receives: "_Receives"
+    # every key received from another rank, in schedule order: (its exchange's ordinal, consumer,
+    # key, its first remote peer)
+    receives: _Receives
 
     @classmethod
-    def lower(cls, actions: Sequence[Any]) -> "_Program":
+    def lower(cls, actions: Sequence[Any], rank: int) -> "_Program":
+        """Lower ``rank``'s ``actions``."""
         gradient_phases = (Phase.BACKWARD, Phase.BACKWARD_WEIGHT)
         # the action after which a module's parameter gradients (over all its chunks) are complete
         last_gradient = {a.module: index for index, a in enumerate(actions)
@@ -781,10 +785,13 @@ class _Program:
                     tuple(dict.fromkeys(t.key for t in action.recvs)), consumers,
                     frozenset(t.peer for t in transfers), min((t.microbatch for t in transfers), default=0), ordinal,
                 ))
+                # one entry per key received from another rank (posted ahead, a key's peers go
+                # at once; one from this rank only, a colocated module's, has nothing to post),
                 # in key order: the order the sender posts an exchange's messages to one peer
                 # in, which receives posted ahead one by one must follow (see comm.post_ahead)
-                receives.extend(sorted(((ordinal, consumer, key, peer) for consumer, key, peer in consumers),
-                                       key=lambda entry: entry[2]))
+                remote = {key: (ordinal, consumer, key, peer) for consumer, key, peer in reversed(consumers)
+                          if peer != rank}
+                receives.extend(remote[key] for key in sorted(remote))
                 ordinal += 1
             else:
                 direction = Direction.FORWARD if action.phase is Phase.FORWARD else Direction.BACKWARD
@@ -807,7 +814,7 @@ class _StepState:
     keep_sink_outputs: bool
     compute_loss: bool
     split: frozenset[tuple[str, int]]  # (module, chunk) stages whose backward runs as I then W in this schedule
-    receives: "_Receives"  # the program's receives, for posting ahead
+    receives: _Receives  # the program's receives, for posting ahead
     result: StepResult = field(default_factory=StepResult)
     stashed: int = 0
     # every key below names one microbatch on one stage: (module, chunk, k)
