@@ -12,6 +12,17 @@ vector carries one extra element, non-zero when any rank holds a name outside th
 every rank gathers the names (an object gather, names only), rebuilds the cache and reduces
 again. After the first step of each kind that happens only if a new metric appears.
 
+On CPU (gloo) with up to :data:`DIRECT_SUM_MAX_WORLD` ranks the sum is not gloo's
+``all_reduce`` but every rank sending its vector to every other (tag :data:`METRIC_SUM_TAG`) and
+adding the world's vectors in rank order, the same additions on every rank, so the result is
+identical everywhere. Why: the ranks reach the sum at different times (a 1F1B step's last
+stages finish long before its first), and gloo's collective then runs its rounds of messages
+after the last arrival, each waking a rank that slept through the wait; through
+``Trainer.fit`` on the two-encoder -> LM benchmark (4 ranks, 2 cores) the last rank waited
+~6 ms for it against ~2.5 ms with one message per pair (benchmarks/README.md). Beyond
+:data:`DIRECT_SUM_MAX_WORLD` ranks the ``world - 1`` messages per rank cost more than the
+collective's rounds save. NCCL keeps ``all_reduce``.
+
 The same all-reduce carries a caller's ``extra`` values (summed element-wise over the world):
 the Lightning strategy agrees on preemption that way, with no collective of its own at the step
 boundary (where the ranks all arrive together and a collective is slowest; see
@@ -29,8 +40,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mmpp.core.kinds import StepKind
+from lightning_mmpp.torch_api import direct_p2p
 
-__all__ = ["MetricReducer", "PendingMetrics"]
+__all__ = ["DIRECT_SUM_MAX_WORLD", "METRIC_SUM_TAG", "MetricReducer", "PendingMetrics"]
+
+# the largest world whose CPU ranks sum the metrics with one message per pair (module docstring)
+DIRECT_SUM_MAX_WORLD = 16
+# the point-to-point tag of those messages on the default group: distinct from the
+# communicator's (0 and comm.LATER_PARTS_TAG), whose messages may be in flight beside them
+METRIC_SUM_TAG = 2
 
 
 class MetricReducer:
@@ -45,6 +63,8 @@ class MetricReducer:
         self.world_size = world_size
         self.device = device
         self._names: dict[StepKind, list[str]] = {}
+        # one message per pair instead of gloo's all_reduce (see the module docstring)
+        self.direct = device.type == "cpu" and 1 < world_size <= DIRECT_SUM_MAX_WORLD
 
     def start(self, local: Mapping[str, Tensor], kind: StepKind, extra: Sequence[float] = ()) -> "PendingMetrics":
         """Launch the step's all-reduce of ``local`` and ``extra`` (every rank calls this, with
@@ -58,7 +78,11 @@ class MetricReducer:
         values = [local[n].to(self.device, torch.float32) if n in local else zero for n in names]
         tail = torch.tensor([*extra, unknown], device=self.device, dtype=torch.float32)
         vector = torch.cat([torch.stack(values), tail]) if values else tail
-        work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True) if self.world_size > 1 else None
+        work: Optional[Any] = None
+        if self.direct:
+            work = _DirectSum(vector, self.world_size)
+        elif self.world_size > 1:
+            work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True)
         return PendingMetrics(local, kind, tuple(extra), names, vector, work)
 
     def finish(self, pending: "PendingMetrics") -> tuple[dict[str, Tensor], list[float]]:
@@ -89,3 +113,26 @@ class PendingMetrics:
     names: list[str]
     vector: Tensor
     work: Optional[Any]
+
+
+class _DirectSum:
+    """The world's sum of ``vector`` by one message per pair (see the module docstring): posted
+    at construction, written into ``vector`` by :meth:`wait`, identical on every rank (the same
+    additions in rank order)."""
+
+    def __init__(self, vector: Tensor, world_size: int) -> None:
+        rank = dist.get_rank()
+        send, recv = direct_p2p(None)
+        self.vector = vector
+        self.parts: list[Tensor] = [vector if peer == rank else torch.empty_like(vector) for peer in range(world_size)]
+        peers = [peer for peer in range(world_size) if peer != rank]
+        self.works = ([send(vector, peer, METRIC_SUM_TAG) for peer in peers]
+                      + [recv(self.parts[peer], peer, METRIC_SUM_TAG) for peer in peers])
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        total = self.parts[0].clone()
+        for part in self.parts[1:]:
+            total += part
+        self.vector.copy_(total)
