@@ -19,9 +19,11 @@ identical everywhere. Why: the ranks reach the sum at different times (a 1F1B st
 stages finish long before its first), and gloo's collective then runs its rounds of messages
 after the last arrival, each waking a rank that slept through the wait; through
 ``Trainer.fit`` on the two-encoder -> LM benchmark (4 ranks, 2 cores) the last rank waited
-~6 ms for it against ~2.5 ms with one message per pair (benchmarks/README.md). Beyond
-:data:`DIRECT_SUM_MAX_WORLD` ranks the ``world - 1`` messages per rank cost more than the
-collective's rounds save. NCCL keeps ``all_reduce``.
+~6 ms for it against ~2.5 ms with one message per pair (benchmarks/README.md; timed alone on
+8 ranks the messages still won, 2.8-3.1 ms against 3.7-4.1). Each rank posts ``world - 1`` sends
+and receives, which grows linearly where the collective's rounds grow with the ring; beyond
+:data:`DIRECT_SUM_MAX_WORLD` ranks (not measured) the reducer keeps gloo's ``all_reduce``. NCCL
+keeps ``all_reduce`` at any size.
 
 The same all-reduce carries a caller's ``extra`` values (summed element-wise over the world):
 the Lightning strategy agrees on preemption that way, with no collective of its own at the step
