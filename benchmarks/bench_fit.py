@@ -30,6 +30,14 @@ fit, every rank of ours times its stage alone, forward and backward, on the micr
 (``--stage-calls`` calls each, median): ``tf'``, ``tb'``. No runtime can run the schedule faster
 than ``(m + D - 1)(tf' + tb')``, the ideal with the measured stages; the step beyond that is
 the framework's (ours and Lightning's) and the transport's.
+
+**The step's end, rank by rank.** ``time.perf_counter`` is one clock for every process on a
+Linux host (``CLOCK_MONOTONIC``), so each rank's marks can be set beside the others'. Per rank,
+the medians over the timed steps of its ``run_pipeline`` end, ``engine.step`` end (the metric
+sum done), batch end and next ``run_pipeline`` start, each relative to the step's last
+``run_pipeline`` end over all ranks: what the ranks wait for after the pipeline, and when the
+next step really starts. (This table found gloo's ``all_reduce`` holding the last ranks 6 ms
+after the pipeline; see benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -164,6 +172,7 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
     L = _lightning()
     clock = _step_clock()
     spans: dict[str, list[float]] = {"run_pipeline": [], "engine.step": []}
+    marks: dict[str, list[float]] = {"run_pipeline": [], "engine.step": []}  # (start, end) pairs, flattened
 
     class Timers(L.Callback):  # time the engine's calls from inside this rank's fit
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -176,7 +185,9 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
                     try:
                         return _inner(*args, **kwargs)
                     finally:
-                        spans[_name].append(time.perf_counter() - start)
+                        end = time.perf_counter()
+                        spans[_name].append(end - start)
+                        marks[_name] += [start, end]
 
                 setattr(engine, attr, timed)
 
@@ -189,7 +200,24 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
     trainer.fit(pipelined_model(m, tf, tb), _loader(m, warmup + steps + 1))
     first = warmup + 1  # the intervals' steps: the ends at index warmup .. warmup + steps
     return {"steps": _intervals(clock.ends, warmup), "stage": (stage_f, stage_b),
-            "run_pipeline": spans["run_pipeline"][first:], "engine.step": spans["engine.step"][first:]}
+            "run_pipeline": spans["run_pipeline"][first:], "engine.step": spans["engine.step"][first:],
+            "marks": marks, "batch_ends": clock.ends}
+
+
+def step_ends(per_rank: list[dict], warmup: int) -> list[tuple]:
+    """Per rank, the medians (ms) of its run_pipeline end, engine.step end, batch end and next
+    run_pipeline start, relative to each step's last run_pipeline end over all ranks."""
+    steps = min(len(r["marks"]["run_pipeline"]) // 2 for r in per_rank)
+    rows = []
+    for rank, r in enumerate(per_rank):
+        pipe, eng, ends = r["marks"]["run_pipeline"], r["marks"]["engine.step"], r["batch_ends"]
+        columns: list[list[float]] = [[], [], [], []]
+        for k in range(warmup + 1, steps - 1):
+            last = max(q["marks"]["run_pipeline"][2 * k + 1] for q in per_rank)
+            for column, mark in zip(columns, (pipe[2 * k + 1], eng[2 * k + 1], ends[k], pipe[2 * k + 2])):
+                column.append((mark - last) * 1e3)
+        rows.append((rank, *(median(c) for c in columns)))
+    return rows
 
 
 def worker_floor(rank: int, world: int, m: int, tf: float, tb: float, steps: int, warmup: int,
@@ -258,6 +286,9 @@ def main() -> None:
              ("outside engine.step (Lightning loop, strategy hooks)", (step - engine) * 1e3),
              ("step through Trainer.fit", step * 1e3)]
     print(table(["part", "ms per step"], parts))
+    section("The step's end, rank by rank (medians, ms after the step's last run_pipeline end)")
+    print(table(["rank", "run_pipeline end", "engine.step end", "batch end", "next run_pipeline start"],
+                step_ends(per_rank, warmup)))
     print()
     print(f"ours through Trainer.fit: ideal / measured = {ideal / step:.3f} (measured / ideal {step / ideal:.3f})")
     print(f"ours through Trainer.fit: ideal with the measured stages / measured = {measured_ideal / step:.3f} "
