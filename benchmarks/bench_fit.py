@@ -171,7 +171,6 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
 
     L = _lightning()
     clock = _step_clock()
-    spans: dict[str, list[float]] = {"run_pipeline": [], "engine.step": []}
     marks: dict[str, list[float]] = {"run_pipeline": [], "engine.step": []}  # (start, end) pairs, flattened
 
     class Timers(L.Callback):  # time the engine's calls from inside this rank's fit
@@ -185,9 +184,7 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
                     try:
                         return _inner(*args, **kwargs)
                     finally:
-                        end = time.perf_counter()
-                        spans[_name].append(end - start)
-                        marks[_name] += [start, end]
+                        marks[_name] += [start, time.perf_counter()]
 
                 setattr(engine, attr, timed)
 
@@ -199,8 +196,9 @@ def worker_ours(rank: int, world: int, m: int, tf: float, tb: float, steps: int,
     L.seed_everything(0, verbose=False)
     trainer.fit(pipelined_model(m, tf, tb), _loader(m, warmup + steps + 1))
     first = warmup + 1  # the intervals' steps: the ends at index warmup .. warmup + steps
-    return {"steps": _intervals(clock.ends, warmup), "stage": (stage_f, stage_b),
-            "run_pipeline": spans["run_pipeline"][first:], "engine.step": spans["engine.step"][first:],
+    durations = {name: [end - start for start, end in zip(flat[0::2], flat[1::2])][first:]
+                 for name, flat in marks.items()}
+    return {"steps": _intervals(clock.ends, warmup), "stage": (stage_f, stage_b), **durations,
             "marks": marks, "batch_ends": clock.ends}
 
 
