@@ -306,6 +306,87 @@ def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sa
     assert CostModel(plain, {"net": ModulePlacement()}, 4).stage("net", 0).forward_s == pytest.approx(0.008)
 
 
+def test_the_sink_loss_is_profiled_and_charged_on_its_last_stage_once_per_microbatch(monkeypatch):
+    """profile_model times each sink's pipeline_loss (its metrics included) as a layer of the
+    sink's output, fixed part and part per sample (on a virtual clock the loss advances); the cost
+    model charges it on the sink's last stage only, per microbatch, in the forward and at the
+    start of the backward (all of it in I), never recomputed, its saved bytes held until then."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpp.plan import profile as profile_module
+    from lightning_mmpp.plan import profile_model
+
+    clock = [0.0]
+    monkeypatch.setattr(profile_module.time, "perf_counter", lambda: clock[0])
+    fixed_f, rate_f, fixed_b, rate_b = 2e-3, 1e-4, 1e-3, 5e-5
+
+    class LossTick(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            clock[0] += fixed_f + rate_f * x.shape[0]
+            ctx.rows = x.shape[0]
+            return x.square().mean()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock[0] += fixed_b + rate_b * ctx.rows
+            return grad.expand(ctx.rows, 4) / ctx.rows
+
+    class Model(nn.Module):
+        pipeline_topology = {"enc": ["net"], "net": []}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Sequential(nn.Linear(4, 4))
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+        def pipeline_inputs(self, module, batch, upstream):
+            return batch["x"] if module == "enc" else upstream["enc"]
+
+        def pipeline_loss(self, module, output, batch):
+            assert batch["y"].shape[0] == output.shape[0]  # the batch cut to the output's samples
+            return {"loss": LossTick.apply(output), "accuracy": (output.argmax(-1) == batch["y"]).float().mean()}
+
+    profile = profile_model(Model(), {"x": torch.randn(32, 4), "y": torch.zeros(32, dtype=torch.long)}, repeats=1)
+    assert profile.modules["enc"].loss is None  # not a sink
+    loss = profile.modules["net"].loss
+    assert loss.forward_s == pytest.approx(fixed_f + 32 * rate_f) and loss.forward_fixed_s == pytest.approx(fixed_f)
+    assert loss.backward_s == pytest.approx(fixed_b + 32 * rate_b) and loss.backward_fixed_s == pytest.approx(fixed_b)
+    assert loss.input_grad_s == loss.backward_s and loss.param_bytes == 0 and loss.tp_allreduces == 0
+    assert ModelProfile.from_json(profile.to_json()) == profile
+
+    placements = {"enc": ModulePlacement(), "net": ModulePlacement(pp=2)}
+    with_loss = CostModel(profile, placements, 4)  # 4 microbatches of 8 samples
+    profile.modules["net"].loss = None
+    without = CostModel(profile, placements, 4)
+    charged_f, charged_b = fixed_f + 8 * rate_f, fixed_b + 8 * rate_b
+    assert with_loss.stage("net", 0) == without.stage("net", 0) and with_loss.stage("enc", 0) == without.stage("enc", 0)
+    last, plain = with_loss.stage("net", 1), without.stage("net", 1)
+    assert last.forward_s == pytest.approx(plain.forward_s + charged_f)
+    assert last.backward_s == pytest.approx(plain.backward_s + charged_b)
+    assert last.input_s == pytest.approx(plain.input_s + charged_b) and last.weight_s == pytest.approx(plain.weight_s)
+    assert last.activation_bytes == pytest.approx(plain.activation_bytes + 8 * loss.activation_bytes_per_sample)
+    profile.modules["net"].loss = loss
+    recomputed = {**placements, "net": ModulePlacement(pp=2, recompute=True)}
+    again = CostModel(profile, recomputed, 4).stage("net", 1)
+    profile.modules["net"].loss = None
+    again_plain = CostModel(profile, recomputed, 4).stage("net", 1)
+    assert again.backward_s == pytest.approx(again_plain.backward_s + charged_b)  # the layers' forward only, again
+
+
+def test_a_chain_of_the_modules_runs_every_sink_loss_on_its_last_stage():
+    profile = heterogeneous()
+    profile.topology = {"vision": ["llm"], "audio": [], "llm": []}  # two sinks
+    profile.modules["audio"].loss = LayerProfile("pipeline_loss", 0.001, 0.002, input_grad_s=0.002, cpu_share=1.0)
+    profile.modules["llm"].loss = LayerProfile("pipeline_loss", 0.003, 0.004, input_grad_s=0.004, cpu_share=0.5)
+    loss = chain_profile(profile).modules["chain"].loss
+    assert (loss.forward_s, loss.backward_s, loss.input_grad_s) == pytest.approx((0.004, 0.006, 0.006))
+    assert loss.cpu_share == pytest.approx((0.003 + 0.007 * 0.5) / 0.01)
+    profile.modules["audio"].loss = None
+    assert chain_profile(profile).modules["chain"].loss == profile.modules["llm"].loss
+
+
 def test_collectives_pay_latency_per_ring_step_and_bridges_on_the_same_ranks_are_free():
     from lightning_mmpp.plan.costs import CostModel, allreduce_seconds, metrics_seconds
 
@@ -357,26 +438,31 @@ def test_calibration_json_round_trip_and_versions(tmp_path):
         Calibration.from_dict({**data, "bogus": 1})
 
 
-@pytest.mark.parametrize("layer", [None, (0.3e-3, 0.5e-3)])
-def test_fit_calibration_recovers_known_constants(layer):
+@pytest.mark.parametrize("layer, loss", [(None, None), ((0.3e-3, 0.5e-3), None), ((0.3e-3, 0.5e-3), (0.1e-3, 0.08e-3))])
+def test_fit_calibration_recovers_known_constants(layer, loss):
     """Synthetic samples made from known constants are fitted back to them; the framework runs'
     layers cost what the profile measured for one (``layer``: their wait plus their own call),
-    or, in samples without that measurement, their known wait."""
+    or, in samples without that measurement, their known wait; and their loss what the profile
+    measured for it (``loss``, run once per microbatch on the loss stage), or, in samples without
+    that measurement, nothing."""
     from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, _chain_seconds, fit_calibration
 
     world, action, message, step, pipeline_step = 4, 0.7e-3, 1.5e-3, 9e-3, 4e-3
     lat, bw = 1e-4, 2e9
     work = FORWARD_S + BACKWARD_S + (sum(layer) if layer else 0.0)
     f, b = (FORWARD_S + layer[0], BACKWARD_S + layer[1]) if layer else (FORWARD_S, BACKWARD_S)
+    loss_fb = loss or (0.0, 0.0)
     known = _calibration(action_s=action, message_s=message)
     samples = {
         "p2p": [(n, lat + n / bw) for n in (256, 65536, 2**20)],
         "allreduce": [(n, 6 * 2e-4 + 1.5 * n / bw) for n in (256, 2**20)],
         "fsdp": [(n, 3e-3 + 0.75 * n / bw, 5e-3 + 0.75 * n / bw) for n in (4096, 2**20)],
         "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
-        "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + 2 * action)) for m in (2, 32)],
-                      "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known)) for m in (4, 16)]},
+        "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + sum(loss_fb) + 2 * action)) for m in (2, 32)],
+                      "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known, loss_fb)) for m in (4, 16)]},
     }
+    if loss:
+        samples["loss"] = list(loss)
     if layer:  # new samples: also the smallest FSDP2 layer over pairs of ranks (one ring step)
         samples["layer"] = [FORWARD_S + layer[0], BACKWARD_S + layer[1]]
         samples["fsdp_pairs"] = [(4096, 1.2e-3 + 0.6e-3 + 0.5 * 4096 / bw, 2e-3 + 1e-3 + 0.5 * 4096 / bw)]
@@ -406,6 +492,33 @@ def test_fit_calibration_recovers_known_constants(layer):
     assert cal.step_s == pytest.approx(step, rel=1e-3) and cal.pipeline_step_s == pytest.approx(pipeline_step)
     # the chain's critical path: m + world - 1 forward-backward pairs, less the messages of its ends
     assert 7 * (work + 2 * action) < _chain_seconds(world, 4, f, b, known) < 7 * (work + 2 * (action + message))
+    if loss:  # the last stage's 4 losses: at least one on the critical path, at most all
+        plain = _chain_seconds(world, 4, f, b, known)
+        assert plain + sum(loss) <= _chain_seconds(world, 4, f, b, known, loss) <= plain + 4 * sum(loss) + 1e-12
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("loss", [(0.0, 0.0), (0.2e-3, 0.1e-3)])
+def test_fit_calibration_recovers_the_message_cost_on_short_chains(world, loss):
+    """The per-message cost is fitted through the same chain timing the cost model uses, whatever
+    the chain's length: over 2 ranks each stage receives one message per microbatch, not the two
+    of a middle stage (a closed form assuming two fitted half the cost there)."""
+    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, _chain_seconds, fit_calibration
+
+    action, message, step, pipeline_step = 0.7e-3, 1.5e-3, 9e-3, 4e-3
+    known = _calibration(world_size=world, action_s=action, message_s=message)
+    f, b = FORWARD_S, BACKWARD_S
+    samples = {
+        "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
+        "layer": [f, b], "loss": list(loss),
+        "framework": {"dp": [(m, step + m * (DP_LAYERS * (f + b) + sum(loss) + 2 * action)) for m in (2, 32)],
+                      "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known, loss))
+                                for m in (world, 8 * world)]},
+    }
+    cal = fit_calibration(world, "cpu", samples)
+    assert cal.action_s == pytest.approx(action) and cal.step_s == pytest.approx(step)
+    assert cal.message_s == pytest.approx(message, rel=1e-6)
+    assert cal.pipeline_step_s == pytest.approx(pipeline_step, rel=1e-6)
 
 
 def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
@@ -577,7 +690,7 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     cal = calibrate(2, steps=2, launches=1)
     # action_s is a difference of two timed steps, clamped at 0: on a loaded 2-core box it can come out 0
     assert cal.world_size == 2 and cal.action_s >= 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
-    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer", "host_cores"}
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer", "loss", "host_cores"}
     assert cal.host_cores >= 1
 
 

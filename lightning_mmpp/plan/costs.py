@@ -12,7 +12,8 @@ the microbatch count and the global batch) to what the simulator and the memory 
 
 * compute per ``(module, stage)`` and microbatch: a layer's fixed part per call
   (``LayerProfile.forward_fixed_s`` / ``backward_fixed_s``) plus the rest scaled linearly with
-  the samples a replica processes, ``batch / (num_microbatches * dp)``; ``recompute`` adds the forward to
+  the samples a replica processes, ``batch / (num_microbatches * dp)``, and a sink's last stage
+  its ``pipeline_loss`` the same way (``ModuleProfile.loss``); ``recompute`` adds the forward to
   the backward; ``shard`` adds a parameter all-gather (``(dp-1)/dp * bytes / bandwidth``) to
   every forward and backward; under zero_bubble, where the backward runs as two autograd
   calls (``I``, then ``W``), each gathers a sharded layer and reruns a recomputed forward;
@@ -148,10 +149,18 @@ class ModuleProfile:
     ``pipeline_parallelize`` hook (:func:`~lightning_mmpp.plan.profile_model` records it).
     True by default, so a hand-written profile may be planned with tensor parallelism; the
     planner gives a module ``tp > 1`` only where ``plan_placements(tp_options=...)`` allows it.
+
+    ``loss``: a sink's ``pipeline_loss`` (its metrics included) timed as a layer on the module's
+    output, on the profiled samples: its forward is the call, its backward the gradient down to
+    the output; no parameters, never split over stages or tp ranks. The runtime calls it in the
+    sink's last stage's forward and starts that stage's backward from it, once per microbatch, so
+    the cost model charges it there (:meth:`CostModel.stage`). ``None``: not a sink, or not
+    measured (a hand-written profile).
     """
 
     layers: list[LayerProfile]
     tp_capable: bool = True
+    loss: Optional[LayerProfile] = None
 
     @property
     def trainable(self) -> bool:
@@ -236,7 +245,8 @@ class ModelProfile:
             raise PipelineConfigError(f"profile version {version} is not supported (expected {PROFILE_VERSION}).")
         modules = {
             name: ModuleProfile([LayerProfile(**layer) for layer in module["layers"]],
-                                tp_capable=module.get("tp_capable", True))
+                                tp_capable=module.get("tp_capable", True),
+                                loss=None if module.get("loss") is None else LayerProfile(**module["loss"]))
             for name, module in data.pop("modules").items()
         }
         topology = {m: list(d) for m, d in data.pop("topology").items()}
@@ -543,6 +553,15 @@ class CostModel:
         input_wait += recomputed_wait
         backward += recomputed
         input_half += recomputed
+        loss = profile.modules[module].loss if stage == placement.num_stages - 1 else None
+        if loss is not None:  # the sink's loss: after the last layer, whole on every tp rank, never recomputed
+            loss_forward, loss_backward = loss.forward_seconds(scale), loss.backward_seconds(scale)
+            forward += loss_forward
+            forward_wait += loss_forward * (1 - loss.cpu_share)
+            backward += loss_backward  # the backward starts from it: part of I, none of W
+            input_half += loss_backward
+            backward_wait += loss_backward * (1 - loss.cpu_share)
+            input_wait += loss_backward * (1 - loss.cpu_share)
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0
@@ -569,6 +588,8 @@ class CostModel:
         else:
             activation = sum(layer.activation_bytes_per_sample for layer in layers) * samples
             transient = 0.0
+        if loss is not None and trains:  # what the loss saves for its backward, held until then
+            activation += loss.activation_bytes_per_sample * samples
         return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer,
                          forward_wait, backward_wait, input_wait, weight_wait)
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +58,7 @@ OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 DP_MICROBATCHES = (2, 32)
 CHAIN_MICROBATCHES_PER_STAGE = (1, 8)  # a chain of pp stages runs pp and 8 pp microbatches
 FRAMEWORK_ROUNDS = 3
+MESSAGE_FIT_STEPS = 40  # bisection steps of the per-message fit: 2**-40 of a microbatch's growth
 # metrics the framework model logs in its metrics run, beside its loss: the cost of a logged
 # metric per step (a LightningModule.log call, its share of the metrics all-reduce) is the
 # difference from the same run logging the loss alone, over these
@@ -248,22 +251,25 @@ def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int,
     return timed
 
 
-def _layer(device: str, width: int) -> list[float]:
+def _layer(device: str, width: int) -> tuple[list[float], list[float]]:
     """``[forward, backward]`` seconds of one framework-run layer on one microbatch of theirs (2
-    rows), measured by :func:`~lightning_mmpp.plan.profile_model` as a plan's layers are: its
-    wait plus its call (Python, autograd, the sleep's overshoot). The framework fits subtract
-    this, so the framework's constants hold what a profile does not already count."""
+    rows), and of the framework model's ``pipeline_loss`` on it, measured by
+    :func:`~lightning_mmpp.plan.profile_model` as a plan's layers and loss are: its wait plus its
+    call (Python, autograd, the sleep's overshoot). The framework fits subtract these, so the
+    framework's constants hold what a profile does not already count."""
     from lightning_mmpp.plan.profile import profile_model
 
-    layer = profile_model(_FrameworkModel(1, width), torch.randn(2, width), device=_device(device, 0),
-                          repeats=5).modules["net"].layers[0]
-    return [layer.forward_s, layer.backward_s]
+    net = profile_model(_FrameworkModel(1, width), torch.randn(2, width), device=_device(device, 0),
+                        repeats=5).modules["net"]
+    layer, loss = net.layers[0], net.loss
+    return [layer.forward_s, layer.backward_s], [0.0, 0.0] if loss is None else [loss.forward_s, loss.backward_s]
 
 
 def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
     dev = _device(device, rank)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
-    samples: dict[str, Any] = {"layer": _layer(device, _width(world))}
+    layer, loss = _layer(device, _width(world))
+    samples: dict[str, Any] = {"layer": layer, "loss": loss}
     if world > 1:
         samples["p2p"] = _p2p(rank, dev)
         samples["allreduce"] = _allreduce(dev)
@@ -318,38 +324,70 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
         (extra, t_extra), = samples["framework"]["metrics"]
         cal.metric_s = max(0.0, (t_extra - samples["framework"]["dp"][0][1]) / extra)
     cal.host_cores = int(samples.get("host_cores", 0))
-    # one layer's forward + backward as a profile measures it (older samples: its known wait)
+    # one layer's forward + backward as a profile measures it (older samples: its known wait), and
+    # the loss's, which the cost model charges on the loss stage (older samples: not measured)
     layer = samples.get("layer", (FORWARD_S, BACKWARD_S))
+    loss = samples.get("loss", (0.0, 0.0))
     work = sum(layer)
-    # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn
+    # pure dp, 2 layers: every microbatch is one forward and one backward on every rank, in turn,
+    # and the loss between them
     (m1, t1), (m2, t2) = samples["framework"]["dp"]
-    cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - DP_LAYERS * work) / 2)
+    per_microbatch = DP_LAYERS * work + sum(loss)
+    cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - per_microbatch) / 2)
     # the step's gradient all-reduce (fp32, a float per feature and layer) is charged by the cost model itself
     gradient_bytes = 4 * DP_LAYERS * _width(world_size)
-    cal.step_s = max(0.0, t1 - m1 * (DP_LAYERS * work + 2 * cal.action_s)
+    cal.step_s = max(0.0, t1 - m1 * (per_microbatch + 2 * cal.action_s)
                      - cal.allreduce_seconds(gradient_bytes, world_size))
     if "chain" in samples["framework"]:
         # 1F1B on a chain of equal one-layer stages: (m + pp - 1) forward + backward pairs on the
-        # critical path; each action there but the first forward and the last backward receives a message
+        # critical path, every microbatch's through the last stage, which also runs the loss; each
+        # action there but the first forward and the last backward receives a message
         (m1, t1), (m2, t2) = samples["framework"]["chain"]
-        per_action = ((t2 - t1) / (m2 - m1) - work) / 2
-        cal.message_s = max(0.0, per_action - cal.action_s)
+        cal.message_s = _fit_message_s(world_size, (m1, t1), (m2, t2), layer, loss, cal)
         # what the chain's step costs beyond its actions: the per-step cost of a pipelined layout
-        cal.pipeline_step_s = max(0.0, t1 - _chain_seconds(world_size, m1, layer[0], layer[1], cal))
+        cal.pipeline_step_s = max(0.0, t1 - _chain_seconds(world_size, m1, layer[0], layer[1], cal, loss))
     return cal
 
 
-def _chain_seconds(world: int, m: int, forward: float, backward: float, cal: Calibration) -> float:
-    """The framework run's chain (1F1B over ``world`` one-layer stages, ``m`` microbatches) as
-    the cost model times it from ``cal``'s per-action and per-message costs, without a per-step
-    cost (its messages are a few hundred bytes: their bandwidth term is left out)."""
+def _fit_message_s(world: int, first: tuple[int, float], second: tuple[int, float], layer: Sequence[float],
+                   loss: Sequence[float], cal: Calibration) -> float:
+    """The cost per received message that makes the chain run's step grow from ``first`` to
+    ``second`` (microbatches, seconds) as :func:`_chain_seconds` times it, by bisection (the
+    simulated growth never falls as the message cost rises). A closed form over the critical path
+    holds for one chain length only: ``(growth per microbatch - work) / 2 - action`` assumed two
+    messages per microbatch, which a middle stage receives, and over 2 ranks (no middle stage, one
+    message per microbatch on each) fitted half the message cost, the rest landing in the per-step
+    cost of every pipelined plan."""
+    (m1, t1), (m2, t2) = first, second
+
+    def growth(message_s: float) -> float:
+        trial = replace(cal, message_s=message_s)
+        return (_chain_seconds(world, m2, layer[0], layer[1], trial, loss)
+                - _chain_seconds(world, m1, layer[0], layer[1], trial, loss))
+
+    low, high = 0.0, max(0.0, (t2 - t1) / (m2 - m1))  # a message costs at most a microbatch's whole growth
+    if growth(low) >= t2 - t1:
+        return 0.0
+    for _ in range(MESSAGE_FIT_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if growth(middle) < t2 - t1 else (low, middle)
+    return (low + high) / 2
+
+
+def _chain_seconds(world: int, m: int, forward: float, backward: float, cal: Calibration,
+                   loss: Sequence[float] = (0.0, 0.0)) -> float:
+    """The framework run's chain (1F1B over ``world`` one-layer stages, ``m`` microbatches, the
+    last also running the ``loss`` forward and backward) as the cost model times it from ``cal``'s
+    per-action and per-message costs, without a per-step cost (its messages are a few hundred
+    bytes: their bandwidth term is left out)."""
     layout = PipelineLayout({"net": ModulePlacement(pp=world, dp=1)}, {"net": []})
 
     def forward_s(module: str, stage: int) -> float:
-        return forward + cal.action_s + (cal.message_s if stage > 0 else 0.0)
+        return forward + cal.action_s + (cal.message_s if stage > 0 else 0.0) + (loss[0] if stage == world - 1 else 0.0)
 
     def backward_s(module: str, stage: int) -> float:
-        return backward + cal.action_s + (cal.message_s if stage < world - 1 else 0.0)
+        last = stage == world - 1
+        return backward + cal.action_s + (loss[1] if last else cal.message_s)
 
     return time_lockstep(layout, m, ScheduleName.ONE_F_ONE_B, forward_s, backward_s).step_time
 

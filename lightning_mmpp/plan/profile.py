@@ -12,7 +12,9 @@ from the profiled batch down to a small microbatch missed the fixed part (a row-
 layer: 0.27 ms forward and 0.5 ms backward per call, about 10% of a 4-row microbatch). It records parameter bytes, the bytes the layer saves for its backward (counted
 with ``saved_tensors_hooks``, parameters excluded) and the bytes of its input and output
 pytrees, per sample; per module, whether the model has the ``pipeline_parallelize`` hook
-(``ModuleProfile.tp_capable``: the planner may then give it ``tp > 1``).
+(``ModuleProfile.tp_capable``: the planner may then give it ``tp > 1``). Each sink's
+``pipeline_loss`` is timed the same way, as a layer of the sink's output
+(``ModuleProfile.loss``): the runtime runs it once per microbatch on the sink's last stage.
 
 A model whose modules are built in ``configure_model()`` is built on the meta device and
 profiled one layer at a time: each layer is materialised (:func:`lightning_mmpp.materialize`)
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_mmpp import torch_api as pytree
-from lightning_mmpp.engine.runtime import TOKEN_COUNT
+from lightning_mmpp.engine.runtime import TOKEN_COUNT, TOKEN_LOSS
 from lightning_mmpp.engine.tensor_parallel import HOOK as TP_HOOK
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.model.initialization import has_meta_tensors, materialize
@@ -204,6 +206,39 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
 
 
+class _LossLayer(nn.Module):
+    """A sink's ``pipeline_loss`` as a layer of the sink's output, for :func:`_profile_layer`: the
+    call (its metrics included) returning the tensor the runtime starts the backward from (the
+    loss, or the per-token form's ``loss_sum``), with the batch cut to the output's samples."""
+
+    def __init__(self, loss: Callable[[str, Any, Any], Any], module: str, batch: Any, samples: int) -> None:
+        super().__init__()
+        self.loss, self.module, self.batch, self.samples = loss, module, batch, samples
+
+    def forward(self, output: Any) -> torch.Tensor:
+        rows = next((t.shape[0] for t in _leaves(output) if t.dim() > 0), self.samples)
+        batch = self.batch if rows == self.samples else _first_samples(self.batch, self.samples, rows)
+        result = self.loss(self.module, output, self.batch if batch is None else batch)
+        if isinstance(result, Mapping):
+            return result[TOKEN_LOSS] if TOKEN_LOSS in result else result["loss"]
+        return result
+
+
+def _profile_loss(lightning_module: nn.Module, module: str, output: Any, batch: Any, trains: bool, repeats: int,
+                  device: torch.device, samples: int) -> Optional[LayerProfile]:
+    """The sink ``module``'s ``pipeline_loss`` timed as a layer of its ``output``; ``None`` when
+    the hook cannot run here (it needs the Trainer or the step's state: then nothing is charged)."""
+    try:
+        layer = _LossLayer(pipeline_loss_caller(lightning_module), module, batch, samples)
+        profiled, _ = _profile_layer("pipeline_loss", layer, output, trains, repeats, device, samples)
+    except Exception:  # noqa: BLE001 - any failure of the user's hook outside a step
+        return None
+    if not trains:
+        profiled.backward_s, profiled.input_grad_s, profiled.backward_fixed_s = 0.0, None, 0.0
+    profiled.tp_allreduces = 0  # whole on every tp rank
+    return profiled
+
+
 def _cpu_share(wall: float, cpu: float) -> float:
     """The share of a layer's time that keeps a core busy: its process's CPU seconds over its
     wall seconds, within ``[0, 1]`` (a layer on several intra-op threads counts as one core: where
@@ -313,6 +348,9 @@ def profile_model(
 
             # a Ragged input: the layers see the packed items, the output travels on with its counts
             outputs[module] = run_ragged(profile, x, f"module {module!r}")
+            if not topo.downstream(module):
+                modules[module].loss = _profile_loss(lightning_module, module, outputs[module], batch, trains, repeats,
+                                                     device, samples)
     finally:
         lightning_module.train(was_training)
     default_bw, default_latency = default_link(str(device))

@@ -50,7 +50,8 @@ from lightning_mmpp.core.kinds import ScheduleName, SimulatorMode
 from lightning_mmpp.errors import PipelineConfigError
 from lightning_mmpp.core.placement import ModulePlacement, PipelineLayout
 from lightning_mmpp.plan.calibration import Calibration, read_json, write_json
-from lightning_mmpp.plan.costs import CostModel, ModelProfile, ModuleProfile, in_lockstep, step_overhead_seconds
+from lightning_mmpp.plan.costs import (CostModel, LayerProfile, ModelProfile, ModuleProfile, in_lockstep,
+                                      step_overhead_seconds)
 from lightning_mmpp.core.simulator import DeadlockError, simulate
 from lightning_mmpp.plan.lockstep import LOCKSTEP_SCHEDULES, LockstepTiming, time_lockstep
 from lightning_mmpp.plan.sharing import host_bound_seconds, planned_schedule, shared_step_seconds, shares_cores
@@ -1262,5 +1263,18 @@ def chain_profile(profile: ModelProfile, name: str = "chain") -> ModelProfile:
     for i, layer in enumerate(layers[:-1]):  # a stage boundary carries what every later module still needs
         layers[i] = replace(layer, output_bytes_per_sample=max(layer.output_bytes_per_sample,
                                                                layers[i + 1].input_bytes_per_sample))
-    return replace(profile, modules={name: ModuleProfile(layers)}, topology={name: []})
+    losses = [profile.modules[m].loss for m in order if profile.modules[m].loss is not None]
+    return replace(profile, modules={name: ModuleProfile(layers, loss=_summed_losses(losses))}, topology={name: []})
+
+
+def _summed_losses(losses: Sequence[LayerProfile]) -> Optional[LayerProfile]:
+    """The losses of several sinks as one, as a chain's last stage runs them all in turn."""
+    if len(losses) <= 1:
+        return losses[0] if losses else None
+    summed = {f: sum(getattr(x, f) or 0.0 for x in losses)
+              for f in ("forward_s", "backward_s", "input_grad_s", "forward_fixed_s", "backward_fixed_s",
+                        "activation_bytes_per_sample")}
+    work = sum(x.forward_s + x.backward_s for x in losses)
+    busy = sum((x.forward_s + x.backward_s) * x.cpu_share for x in losses)
+    return replace(losses[0], name="pipeline_loss", cpu_share=busy / work if work > 0 else 0.0, **summed)
 

@@ -64,10 +64,11 @@ COMPUTING_SHARE = 0.1
 
 
 def cpu_share_of_work(profile: ModelProfile) -> float:
-    """The share of the model's forward + backward layer time that keeps a core busy."""
+    """The share of the model's forward + backward layer time (its sinks' losses included) that
+    keeps a core busy."""
     total = busy = 0.0
     for module in profile.modules.values():
-        for layer in module.layers:
+        for layer in [*module.layers, *([module.loss] if module.loss is not None else [])]:
             work = layer.forward_s + layer.backward_s
             total += work
             busy += work * layer.cpu_share
