@@ -80,6 +80,37 @@ def test_ranks_computing_at_once_share_the_cores_syncs_run_beside_and_the_optimi
                         ranks_per_host=4)
 
 
+def test_a_rank_steps_its_optimizer_only_after_every_rank_ended_its_pipeline():
+    """The step's metrics sum joins every rank before Lightning steps the optimizer: a rank whose
+    actions end early (the sink, its gradients sent) starts its final piece at the last rank's end."""
+    layout = PipelineLayout({"enc": ModulePlacement(rank_offset=0), "lm": ModulePlacement(rank_offset=1)},
+                            {"enc": ["lm"], "lm": []})
+    schedule = build_schedule(layout, 1, "1f1b")
+    # enc: forward 1, backward 4 (after lm's); lm: forward 1, backward 1, then a 3 s optimizer step
+    seconds = {("enc", True): 1.0, ("enc", False): 4.0, ("lm", True): 1.0, ("lm", False): 1.0}
+    timing = simulate_shared(schedule, layout, lambda r, a, s: Work(seconds[(a.module, a.phase is Phase.FORWARD)], 0.0),
+                             cores=2, ranks_per_host=2, finals={0: Work(0.5, 0.0), 1: Work(3.0, 0.0)})
+    assert timing.actions_end == (pytest.approx(7.0), pytest.approx(3.0))
+    assert timing.finish == (pytest.approx(7.5), pytest.approx(10.0)) and timing.step_time == pytest.approx(10.0)
+
+
+def test_the_search_starts_the_optimizer_after_the_last_rank_pipeline():
+    """The same rule in the search's own clock: the sink's rank holds a big optimizer step and
+    ends its pipeline before the encoder's rank; the step is the encoder's last backward plus it."""
+    from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile
+
+    profile = ModelProfile(
+        modules={"enc": ModuleProfile([LayerProfile("0", 0.010, 0.040, param_bytes=1024)]),
+                 "lm": ModuleProfile([LayerProfile("0", 0.010, 0.010, param_bytes=10**8)])},
+        topology={"enc": ["lm"], "lm": []}, profile_batch_size=8, bandwidth_bytes_per_s=1e12)
+    cal = Calibration(world_size=2, optimizer_s_per_byte=2e-10)  # lm's step: 20 ms; nothing else charged
+    plans = plan_placements(profile, 2, top_k=20, calibration=cal, num_microbatches=1, allow_shard=False)
+    split = [p for p in plans if p.describe().startswith("enc 1x1 @0 | lm 1x1 @1")]
+    assert split, [p.describe() for p in plans]
+    # enc forward, lm forward, lm backward, enc backward in turn; then lm's optimizer
+    assert split[0].step_time_s == pytest.approx(0.010 + 0.010 + 0.010 + 0.040 + 0.020)
+
+
 def _computing(profile, share: float = 1.0):
     """``profile`` with every layer keeping a core busy for ``share`` of its time."""
     for module in profile.modules.values():

@@ -15,7 +15,8 @@ Besides each rank's action list, a rank runs two more kinds of work:
 * **gradient syncs**, one queue per rank: the sync of ``(rank, module)`` starts once that
   module's last backward piece on the rank is done and the previous sync in the queue is over,
   and runs beside the rank's remaining actions (a collective posted while the pipeline drains);
-* a **final** piece (the optimizer step) once the rank's actions and syncs are all done.
+* a **final** piece (the optimizer step) once the rank's actions and syncs are all done and
+  every rank's action list has ended (the step's metrics sum joins them all before it).
 
 Exchanges complete as in the simulator's eager mode: once every send they receive from has been
 posted. Hand-written (not a general discrete-event library) because the rule is one line and
@@ -97,7 +98,8 @@ def simulate_shared(
         cores: cores per host, shared by its ranks' core parts.
         ranks_per_host: ranks ``h * ranks_per_host ..`` share host ``h``.
         syncs: ``(rank, module) -> Work``: the module's gradient sync on that rank (absent: none).
-        finals: ``rank -> Work`` run once the rank's actions and syncs are done (absent: none).
+        finals: ``rank -> Work`` run once the rank's actions and syncs are done and every
+            rank's actions have ended (absent: none).
 
     Raises:
         DeadlockError: the action lists cannot all complete.
@@ -143,6 +145,8 @@ def simulate_shared(
         state = ranks[rank]
         if state.actions_end is None or state.syncs_left or state.final_started:
             return
+        if any(other.actions_end is None for other in ranks):
+            return  # the metrics sum: every rank's pipeline first
         state.final_started = True
 
         def ended(t: float, state: _Rank = state) -> None:
@@ -183,7 +187,8 @@ def simulate_shared(
             return True
         if not state.busy and state.actions_end is None and state.pc == len(actions[rank]):
             state.actions_end = now
-            maybe_final(rank, now)
+            for other in range(world):  # the last rank's end lets every rank's final start
+                maybe_final(other, now)
             changed = True
         return changed
 
