@@ -519,6 +519,9 @@ def test_fit_calibration_recovers_the_message_cost_on_short_chains(world, loss):
     assert cal.action_s == pytest.approx(action) and cal.step_s == pytest.approx(step)
     assert cal.message_s == pytest.approx(message, rel=1e-6)
     assert cal.pipeline_step_s == pytest.approx(pipeline_step, rel=1e-6)
+    # where the chain run measured its first rank's time outside the pipeline, that is the cost
+    samples["framework"]["chain_outside"] = 2.5e-3
+    assert fit_calibration(world, "cpu", samples).pipeline_step_s == 2.5e-3
 
 
 def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
@@ -691,6 +694,8 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     # action_s is a difference of two timed steps, clamped at 0: on a loaded 2-core box it can come out 0
     assert cal.world_size == 2 and cal.action_s >= 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
     assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer", "loss", "host_cores"}
+    outside = cal.samples["framework"]["chain_outside"]  # the chain's first rank, outside its pipeline
+    assert 0 < outside < min(t for _, t in cal.samples["framework"]["chain"]) and cal.pipeline_step_s == outside
     assert cal.host_cores >= 1
 
 

@@ -14,9 +14,10 @@ the profiled layer times:
   the closing all-reduce of the loss and metrics, as a layout whose ranks all run every module
   (pure dp) pays it, every rank at once: fitted from the pure-dp framework run.
   ``pipeline_step_s`` is the same for a pipelined layout, whose ranks end their steps one after
-  another, each while the others still drain: fitted from the chain run (on a CPU with fewer
-  cores than ranks the two differ by a few milliseconds, either way from one calibration to the
-  next);
+  another, each while the others still drain: measured in the chain run as the time its first
+  rank, which starts the pipeline and ends it, spends outside ``run_pipeline`` per step (older
+  calibrations: the chain's step less its simulated actions); on a CPU with fewer cores than
+  ranks the two differ by a few milliseconds, either way from one calibration to the next;
 * a dp gradient all-reduce as a ring with ``allreduce_call_s`` per call, ``allreduce_latency_s``
   per ring step and ``allreduce_bandwidth``; FSDP2's all-gather (per layer ``gather_layer_s`` + ``gather_step_s``
   per ring step + bytes, once per layer for every forward and every backward: unshard +

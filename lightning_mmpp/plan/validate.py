@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["MeasuredStep", "measure_plans", "measure_runs", "measure_steps", "timed_fit"]
 
@@ -29,9 +29,13 @@ def _identity(batch: Any) -> Any:
 
 
 def timed_fit(model: Any, placements: Mapping[str, Any], topology: Mapping[str, Sequence[str]],
-              num_microbatches: int, schedule: str, batch: Any, steps: int, device: str = "cpu") -> list[float]:
+              num_microbatches: int, schedule: str, batch: Any, steps: int, device: str = "cpu",
+              outside: Optional[list[float]] = None) -> list[float]:
     """Train ``model`` for ``WARMUP_STEPS + steps`` steps on ``batch`` (in a process of a local
-    launch whose environment is set); the seconds of each timed step on the slowest rank."""
+    launch whose environment is set); the seconds of each timed step on the slowest rank. With
+    ``outside``, also append to it, per timed step, the seconds this rank spent outside its
+    pipeline: from the step's start to the engine's ``run_pipeline`` and from its return to the
+    step's end (the loop, the gradient sums' and metrics' wait, logging, the optimizer)."""
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -42,14 +46,30 @@ def timed_fit(model: Any, placements: Mapping[str, Any], topology: Mapping[str, 
     class StepTimer(L.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.start = 0.0
+            self.outside: list[float] = []
+            self.start = self.pipeline = 0.0  # the step's start; seconds inside run_pipeline
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            engine = trainer.strategy.engine
+            run_pipeline = engine.run_pipeline
+
+            def timed_pipeline(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return run_pipeline(*args, **kwargs)
+                finally:
+                    self.pipeline += time.perf_counter() - start
+
+            engine.run_pipeline = timed_pipeline
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             dist.barrier()
-            self.start = time.perf_counter()
+            self.start, self.pipeline = time.perf_counter(), 0.0
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            t = torch.tensor([time.perf_counter() - self.start], dtype=torch.float64)
+            seconds = time.perf_counter() - self.start
+            self.outside.append(seconds - self.pipeline)
+            t = torch.tensor([seconds], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             self.times.append(float(t))
 
@@ -62,6 +82,8 @@ def timed_fit(model: Any, placements: Mapping[str, Any], topology: Mapping[str, 
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[timer])
     trainer.fit(model, DataLoader([batch] * total, batch_size=None, collate_fn=_identity))
+    if outside is not None:
+        outside.extend(timer.outside[WARMUP_STEPS:])
     return timer.times[WARMUP_STEPS:]
 
 
