@@ -217,8 +217,11 @@ class _LossLayer(nn.Module):
 
     def forward(self, output: Any) -> torch.Tensor:
         rows = next((t.shape[0] for t in _leaves(output) if t.dim() > 0), self.samples)
-        batch = self.batch if rows == self.samples else _first_samples(self.batch, self.samples, rows)
-        result = self.loss(self.module, output, self.batch if batch is None else batch)
+        batch = self.batch
+        if rows != self.samples:  # timed on fewer samples for the fixed part: the batch's first ones
+            cut = _first_samples(self.batch, self.samples, rows)
+            batch = batch if cut is None else cut
+        result = self.loss(self.module, output, batch)
         if isinstance(result, Mapping):
             return result[TOKEN_LOSS] if TOKEN_LOSS in result else result["loss"]
         return result
