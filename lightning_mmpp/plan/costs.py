@@ -556,12 +556,13 @@ class CostModel:
         loss = profile.modules[module].loss if stage == placement.num_stages - 1 else None
         if loss is not None:  # the sink's loss: after the last layer, whole on every tp rank, never recomputed
             loss_forward, loss_backward = loss.forward_seconds(scale), loss.backward_seconds(scale)
+            waiting = 1 - loss.cpu_share
             forward += loss_forward
-            forward_wait += loss_forward * (1 - loss.cpu_share)
+            forward_wait += loss_forward * waiting
             backward += loss_backward  # the backward starts from it: part of I, none of W
             input_half += loss_backward
-            backward_wait += loss_backward * (1 - loss.cpu_share)
-            input_wait += loss_backward * (1 - loss.cpu_share)
+            backward_wait += loss_backward * waiting
+            input_wait += loss_backward * waiting
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0

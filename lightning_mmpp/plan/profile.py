@@ -68,10 +68,14 @@ def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _leaves(tree))
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: Any, default: Optional[int] = None) -> int:
+    """The leading dimension of the first tensor leaf that has one; ``default`` (or an error,
+    without one) when none has."""
     for leaf in _leaves(batch):
         if leaf.dim() > 0:
             return int(leaf.shape[0])
+    if default is not None:
+        return default
     raise PipelineConfigError("profile_model: the batch holds no tensor with a batch dimension; pass a collated batch.")
 
 
@@ -216,7 +220,7 @@ class _LossLayer(nn.Module):
         self.loss, self.module, self.batch, self.samples = loss, module, batch, samples
 
     def forward(self, output: Any) -> torch.Tensor:
-        rows = next((t.shape[0] for t in _leaves(output) if t.dim() > 0), self.samples)
+        rows = _batch_size(output, default=self.samples)
         batch = self.batch
         if rows != self.samples:  # timed on fewer samples for the fixed part: the batch's first ones
             cut = _first_samples(self.batch, self.samples, rows)
