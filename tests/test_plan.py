@@ -58,6 +58,43 @@ def with_fixed_parts(profile: ModelProfile, share: float = 0.3) -> ModelProfile:
     return profile
 
 
+def with_curves(profile: ModelProfile, bend: float) -> ModelProfile:
+    """``profile`` with measured points off the straight line: every layer's time at half its
+    samples ``bend`` times the line's (above 1: concave, as a matrix product on few rows; below:
+    convex), at a quarter half as far off."""
+    for module in profile.modules.values():
+        for layer in module.layers:
+            for kind in ("forward", "backward"):
+                line = getattr(layer, f"{kind}_seconds")
+                setattr(layer, f"{kind}_points", ((0.25, line(0.25) * (1 + (bend - 1) / 2)), (0.5, line(0.5) * bend)))
+    return profile
+
+
+def test_a_layer_time_follows_its_measured_points():
+    """Between the fixed part and the whole the time is read off the line through the two
+    neighbouring points; a point below its predecessor counts as its predecessor; above the
+    profiled samples the last segment's slope; the rate floor stays below every charge."""
+    layer = LayerProfile("0", forward_s=0.010, backward_s=0.020, forward_fixed_s=0.002,
+                         forward_points=((0.5, 0.008), (0.25, 0.005)))
+    assert layer.forward_seconds(0.0) == pytest.approx(0.002)
+    assert layer.forward_seconds(0.125) == pytest.approx(0.0035)
+    assert layer.forward_seconds(0.25) == pytest.approx(0.005)
+    assert layer.forward_seconds(0.75) == pytest.approx(0.009)
+    assert layer.forward_seconds(2.0) == pytest.approx(0.014)  # 0.010 + 0.004 per half batch
+    assert layer.backward_seconds(0.5) == pytest.approx(0.010)  # no points: the line
+    assert LayerProfile("0", 0.010, 0.0, forward_points=((0.25, 0.006), (0.5, 0.004))).forward_seconds(0.5) == \
+        pytest.approx(0.006)
+    for bend in (1.4, 0.7):
+        curved = with_curves(heterogeneous(), bend)
+        for module in curved.modules.values():
+            for x in module.layers:
+                for f in (0.01, 0.1, 0.3, 0.5, 0.6, 1.0, 1.5, 4.0):
+                    assert x.forward_seconds(0.0) + x.forward_rate_floor() * f <= x.forward_seconds(f) * (1 + 1e-12)
+                    assert x.backward_seconds(0.0) + x.backward_rate_floor() * f <= x.backward_seconds(f) * (1 + 1e-12)
+    again = ModelProfile.from_json(with_curves(heterogeneous(), 1.3).to_json())
+    assert again == with_curves(heterogeneous(), 1.3)
+
+
 def test_profile_json_round_trip(tmp_path):
     profile = heterogeneous()
     profile.modules["audio"].layers[0].input_grad_s = 0.001
@@ -132,7 +169,9 @@ def test_pruned_search_returns_the_exhaustive_top_plans(schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
 def test_lower_bound_never_exceeds_the_simulated_step(schedule):
     """Pruning is exact only if the bound holds for every candidate the search could skip."""
-    for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6), (with_fixed_parts(encoders_and_lm()), 6)):
+    for profile, world in ((heterogeneous(batch=16), 5), (encoders_and_lm(), 6), (with_fixed_parts(encoders_and_lm()), 6),
+                           (with_curves(with_fixed_parts(encoders_and_lm()), 1.5), 6),
+                           (with_curves(with_fixed_parts(encoders_and_lm()), 0.6), 6)):
         everything = plan_placements(profile, world, top_k=10_000, exhaustive=True, schedules=(schedule,))
         assert len(everything) > 20
         for plan in everything:
@@ -249,28 +288,26 @@ def test_profile_model_on_the_test_model():
     assert plan_placements(profile, 4, top_k=1)[0].step_time_s > 0
 
 
-def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sample(monkeypatch):
-    """A layer costs a fixed part per call plus a part per sample: profile_model finds both (on a
-    virtual clock the layer advances) and the cost model charges the fixed part per microbatch."""
+def ticking_model(monkeypatch, forward_s, backward_s, layers: int):
+    """A one-module model of ``layers`` layers, each advancing the profiler's clock (made
+    virtual here) by ``forward_s(rows)`` / ``backward_s(rows)`` per forward / backward."""
     import torch
     from torch import nn
 
     from lightning_mmpp.plan import profile as profile_module
-    from lightning_mmpp.plan import profile_model
 
     clock = [0.0]
     monkeypatch.setattr(profile_module.time, "perf_counter", lambda: clock[0])
-    fixed_f, rate_f, fixed_b, rate_b = 3e-3, 1e-4, 5e-3, 2e-4
 
     class Tick(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            clock[0] += fixed_f + rate_f * x.shape[0]
+            clock[0] += forward_s(x.shape[0])
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad):
-            clock[0] += fixed_b + rate_b * grad.shape[0]
+            clock[0] += backward_s(grad.shape[0])
             return grad
 
     class Layer(nn.Module):
@@ -286,12 +323,24 @@ def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sa
 
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(Layer(), Layer())
+            self.net = nn.Sequential(*(Layer() for _ in range(layers)))
 
         def pipeline_inputs(self, module, batch, upstream):
             return batch
 
-    profile = profile_model(Model(), torch.randn(32, 4), repeats=1)
+    return Model()
+
+
+def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sample(monkeypatch):
+    """A layer costs a fixed part per call plus a part per sample: profile_model finds both (on a
+    virtual clock the layer advances) and the cost model charges the fixed part per microbatch."""
+    import torch
+
+    from lightning_mmpp.plan import profile_model
+
+    fixed_f, rate_f, fixed_b, rate_b = 3e-3, 1e-4, 5e-3, 2e-4
+    model = ticking_model(monkeypatch, lambda rows: fixed_f + rate_f * rows, lambda rows: fixed_b + rate_b * rows, 2)
+    profile = profile_model(model, torch.randn(32, 4), repeats=1)
     layer = profile.modules["net"].layers[0]
     assert layer.forward_s == pytest.approx(fixed_f + 32 * rate_f)
     assert layer.backward_s == pytest.approx(fixed_b + 32 * rate_b)
@@ -304,6 +353,39 @@ def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sa
     # a profile without fixed parts (written by hand, or before they were measured) scales the whole time
     plain = ModelProfile({"net": ModuleProfile([LayerProfile("0", 0.032, 0.064)])}, {"net": []}, 32)
     assert CostModel(plain, {"net": ModulePlacement()}, 4).stage("net", 0).forward_s == pytest.approx(0.008)
+
+
+def test_profile_times_layers_on_fractions_of_the_batch_and_prices_microbatches_along_them(monkeypatch):
+    """A layer whose time is not a straight line in its samples (dear per sample up to 16, cheap
+    beyond, as a matrix product that uses its cores better on more rows; on a virtual clock the
+    layer advances): profile_model times it on 1/2 .. 1/16 of the batch, and the cost model prices
+    a microbatch of 16 samples at its time, where the line from the fixed part to the whole
+    batch is a third short."""
+    import torch
+
+    from lightning_mmpp.plan import profile_model
+
+    def seconds(rows: int) -> float:
+        return 1e-3 + 1e-4 * min(rows, 16) + 2.5e-5 * max(rows - 16, 0)
+
+    model = ticking_model(monkeypatch, seconds, lambda rows: 2 * seconds(rows), 1)
+    profile = profile_model(model, torch.randn(64, 4), repeats=1)
+    layer = profile.modules["net"].layers[0]
+    assert [f for f, _ in layer.forward_points] == [0.5, 0.25, 0.125, 0.0625]
+    assert [t for _, t in layer.forward_points] == pytest.approx([seconds(32), seconds(16), seconds(8), seconds(4)])
+    assert [t for _, t in layer.backward_points] == pytest.approx([2 * seconds(n) for n in (32, 16, 8, 4)])
+    assert layer.forward_fixed_s == pytest.approx(1e-3)  # from 2 and 4 samples, the lowest segment
+    for rows in (2, 4, 12, 16, 24, 48, 64):
+        assert layer.forward_seconds(rows / 64) == pytest.approx(seconds(rows))
+        assert layer.backward_seconds(rows / 64) == pytest.approx(2 * seconds(rows))
+    cost = CostModel(profile, {"net": ModulePlacement()}, 4).stage("net", 0)  # 4 microbatches of 16
+    assert cost.forward_s == pytest.approx(seconds(16))
+    line = layer.forward_fixed_s + (layer.forward_s - layer.forward_fixed_s) / 4
+    assert line == pytest.approx(0.0017) and seconds(16) == pytest.approx(0.0026)
+    assert ModelProfile.from_json(profile.to_json()) == profile
+    # 24 samples: not halved to whole numbers below 12, nor below twice the small size
+    fewer = profile_model(model, torch.randn(24, 4), repeats=1).modules["net"].layers[0]
+    assert [f for f, _ in fewer.forward_points] == [0.5, 0.25]
 
 
 def test_the_sink_loss_is_profiled_and_charged_on_its_last_stage_once_per_microbatch(monkeypatch):

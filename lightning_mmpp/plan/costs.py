@@ -11,8 +11,9 @@ planning can be redone without the model.
 the microbatch count and the global batch) to what the simulator and the memory check need:
 
 * compute per ``(module, stage)`` and microbatch: a layer's fixed part per call
-  (``LayerProfile.forward_fixed_s`` / ``backward_fixed_s``) plus the rest scaled linearly with
-  the samples a replica processes, ``batch / (num_microbatches * dp)``, and a sink's last stage
+  (``LayerProfile.forward_fixed_s`` / ``backward_fixed_s``) plus the rest scaled with the
+  samples a replica processes, ``batch / (num_microbatches * dp)``, along the times measured on
+  fractions of the batch (``LayerProfile.forward_points``; linearly without), and a sink's last stage
   its ``pipeline_loss`` the same way (``ModuleProfile.loss``); ``recompute`` adds the forward to
   the backward; ``shard`` adds a parameter all-gather (``(dp-1)/dp * bytes / bandwidth``) to
   every forward and backward; under zero_bubble, where the backward runs as two autograd
@@ -79,6 +80,15 @@ class LayerProfile:
     once per microbatch; the rest scales with the samples (:meth:`forward_seconds`). 0 (the
     default): all of it scales.
 
+    ``forward_points`` / ``backward_points``: ``(fraction, seconds)`` measured on fractions of
+    the profiled samples between the fixed part and the whole (:func:`~lightning_mmpp.plan.profile_model`
+    times each layer on 1/2, 1/4, 1/8 and 1/16 of them). A layer's time is seldom a straight
+    line in its samples: a matrix product on few rows uses its cores (or a GPU) less well than on
+    many, so the line from the fixed part to the whole runs below the time at the sizes between
+    (the README example's LM on 64 of 256 samples: 1.68 ms measured, 1.53 ms on the line). With
+    points, the time at a fraction is read off the line through its two neighbours. Empty (the
+    default, and a hand-written profile's): the straight line.
+
     ``tp_allreduces``: the all-reduces of the layer's output activation that the model's
     ``pipeline_parallelize`` hook adds per forward (and as many per backward) when the module
     runs with ``tp > 1``; default 2, a transformer block (attention and MLP, each column- then
@@ -114,6 +124,12 @@ class LayerProfile:
     tp_allreduces: int = 2
     param_tensors: int = 0
     cpu_share: float = 0.0
+    forward_points: tuple[tuple[float, float], ...] = ()
+    backward_points: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:  # JSON gives lists
+        self.forward_points = tuple((float(f), float(t)) for f, t in self.forward_points)
+        self.backward_points = tuple((float(f), float(t)) for f, t in self.backward_points)
 
     def split_by(self, tp: int) -> int:
         """The ranks this layer's work and parameters are divided over at ``tp``: ``tp`` when
@@ -121,12 +137,23 @@ class LayerProfile:
         return tp if self.tp_allreduces > 0 else 1
 
     def forward_seconds(self, fraction: float) -> float:
-        """The forward on ``fraction`` of the profiled samples: the fixed part, plus the rest scaled."""
-        return _affine(self.forward_s, self.forward_fixed_s, fraction)
+        """The forward on ``fraction`` of the profiled samples: the fixed part, plus the rest
+        scaled along the measured points."""
+        return _on_curve(self.forward_s, self.forward_fixed_s, self.forward_points, fraction)
 
     def backward_seconds(self, fraction: float) -> float:
         """The fused backward on ``fraction`` of the profiled samples."""
-        return _affine(self.backward_s, self.backward_fixed_s, fraction)
+        return _on_curve(self.backward_s, self.backward_fixed_s, self.backward_points, fraction)
+
+    def forward_rate_floor(self) -> float:
+        """The least of ``(forward_seconds(f) - forward_seconds(0)) / f`` over ``0 < f``: what
+        a sample costs at least beyond the fixed part, so that a bound of ``fixed + floor * f``
+        stays below every charge (``forward_seconds(1) - forward_seconds(0)`` without points)."""
+        return _rate_floor(self.forward_s, self.forward_fixed_s, self.forward_points)
+
+    def backward_rate_floor(self) -> float:
+        """:meth:`forward_rate_floor` of the fused backward."""
+        return _rate_floor(self.backward_s, self.backward_fixed_s, self.backward_points)
 
     def input_grad_seconds(self, fraction: float) -> float:
         """The ``I`` part of :meth:`backward_seconds` (its share of the profiled backward)."""
@@ -136,9 +163,34 @@ class LayerProfile:
         return whole * self.input_grad_s / self.backward_s if self.backward_s > 0 else 0.0
 
 
-def _affine(measured: float, fixed: float, fraction: float) -> float:
+def _knots(measured: float, fixed: float, points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """``(fraction, seconds)`` from the fixed part at 0 through the points to the whole at 1, in
+    order, each at least the one before (more samples never take less time: a point below its
+    predecessor is timing noise)."""
     fixed = min(max(fixed, 0.0), measured)
-    return fixed + (measured - fixed) * fraction
+    knots = [(0.0, fixed)]
+    for f, t in sorted(p for p in points if 0.0 < p[0] < 1.0):
+        knots.append((f, min(max(t, knots[-1][1]), measured)))
+    knots.append((1.0, measured))
+    return knots
+
+
+def _on_curve(measured: float, fixed: float, points: tuple[tuple[float, float], ...], fraction: float) -> float:
+    """The time at ``fraction`` on the line through its two neighbouring knots (the last
+    segment's slope above 1)."""
+    knots = _knots(measured, fixed, points)
+    for (f0, t0), (f1, t1) in zip(knots, knots[1:]):
+        if fraction <= f1 or f1 == 1.0:
+            return t0 + (t1 - t0) * (fraction - f0) / (f1 - f0)
+    raise AssertionError("unreachable: the last knot is at 1")
+
+
+def _rate_floor(measured: float, fixed: float, points: tuple[tuple[float, float], ...]) -> float:
+    knots = _knots(measured, fixed, points)
+    base = knots[0][1]
+    floor = min((t - base) / f for f, t in knots[1:])
+    (f0, t0), (f1, t1) = knots[-2], knots[-1]  # above 1: the last segment's slope (at f, its average is at least the least of the two)
+    return min(floor, (t1 - t0) / (f1 - f0))
 
 
 @dataclass

@@ -9,7 +9,10 @@ zero_bubble). The forward and the backward are timed again on 2 samples, which
 splits each into a fixed part per call (Python, autograd, kernel launches: paid by every
 microbatch whatever its size) and a part that scales with the samples; scaling the whole time
 from the profiled batch down to a small microbatch missed the fixed part (a row-scaled sleep
-layer: 0.27 ms forward and 0.5 ms backward per call, about 10% of a 4-row microbatch). It records parameter bytes, the bytes the layer saves for its backward (counted
+layer: 0.27 ms forward and 0.5 ms backward per call, about 10% of a 4-row microbatch). Both are
+also timed on 1/2, 1/4, 1/8 and 1/16 of the samples (``LayerProfile.forward_points``): a plan's
+microbatch is a fraction of the batch, and between the fixed part and the whole a layer's time
+is seldom a straight line. It records parameter bytes, the bytes the layer saves for its backward (counted
 with ``saved_tensors_hooks``, parameters excluded) and the bytes of its input and output
 pytrees, per sample; per module, whether the model has the ``pipeline_parallelize`` hook
 (``ModuleProfile.tp_capable``: the planner may then give it ``tp > 1``). Each sink's
@@ -48,6 +51,9 @@ from lightning_mmpp.core.topology import ModuleTopology
 __all__ = ["default_link", "profile_model"]
 
 SMALL_SAMPLES = 2  # the second size each layer is timed at, for its fixed cost per call
+# the fractions of the profiled samples each layer is also timed at (where a whole number of
+# samples, at least twice SMALL_SAMPLES): the points of LayerProfile.forward_points / backward_points
+POINT_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
 # timed runs per measurement (the median): with 3, one profile in three of 8 equal Linear(1024)
 # layers on a 2-core VM came out 25% dear (backward 3.5-6.4 ms per layer against 3.7), and the
 # first layer's backward 3.5 ms against 2.1 ms with 9; with 9, three profiles within 4%
@@ -183,19 +189,39 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
             input_grad = min(backward, _timed(input_half, forward_for_backward, repeats, device))
         else:
             input_grad = 0.0 if trainable else backward
+    # the time on fewer samples, halving: a plan's microbatches are fractions of the batch, and
+    # the time is seldom a straight line in the samples (LayerProfile.forward_points)
+    forward_points: list[tuple[float, float]] = []
+    backward_points: list[tuple[float, float]] = []
+    lowest = (samples, forward, backward)  # the fewest samples timed so far, and their times
+    for fraction in POINT_FRACTIONS:
+        rows = samples * fraction
+        cut = _first_samples(x, samples, int(rows)) if rows == int(rows) and rows >= 2 * SMALL_SAMPLES else None
+        if cut is None:
+            continue
+        cut_inputs = functools.partial(_detached_input, cut, needs_grad)
+        cut_forward = _timed(layer, cut_inputs, repeats, device)
+        forward_points.append((fraction, cut_forward))
+        cut_backward = 0.0
+        if outs:
+            cut_backward = _timed(_backward, _forward_for_backward(layer, cut_inputs), repeats, device)
+            backward_points.append((fraction, cut_backward))
+        lowest = (int(rows), cut_forward, cut_backward)
     # the fixed part per call: the same layer on 2 samples (time = fixed + rate * samples; 2, which a
-    # layer normalising over the batch needs in training): the fewer, the less the timing noise
-    # of either run moves the intercept (a quarter of 32 samples amplified it 1.33x, and a plan's
-    # small microbatches were priced by extrapolating below the measured sizes)
+    # layer normalising over the batch needs in training), against the fewest samples timed above
+    # it: the fewer, the less the timing noise of either run moves the intercept (a quarter of 32
+    # samples amplified it 1.33x, and a plan's small microbatches were priced by extrapolating
+    # below the measured sizes)
     forward_fixed = backward_fixed = 0.0
     fewer = SMALL_SAMPLES
     small = _first_samples(x, samples, fewer) if fewer < samples else None
     if small is not None:
         small_inputs = lambda: _detached_input(small, needs_grad)  # noqa: E731
-        forward_fixed = _intercept(forward, _timed(layer, small_inputs, repeats, device), samples, fewer)
+        rows, rows_forward, rows_backward = lowest
+        forward_fixed = _intercept(rows_forward, _timed(layer, small_inputs, repeats, device), rows, fewer)
         if outs:
             small_backward = _timed(_backward, _forward_for_backward(layer, small_inputs), repeats, device)
-            backward_fixed = _intercept(backward, small_backward, samples, fewer)
+            backward_fixed = _intercept(rows_backward, small_backward, rows, fewer)
     for p in params:
         p.grad = None
     profile = LayerProfile(
@@ -204,6 +230,7 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
         activation_bytes_per_sample=sum(saved.values()) / samples if trainable or needs_grad else 0.0,
         input_bytes_per_sample=_nbytes(x) / samples, output_bytes_per_sample=_nbytes(y) / samples,
         forward_fixed_s=forward_fixed, backward_fixed_s=backward_fixed,
+        forward_points=tuple(forward_points), backward_points=tuple(backward_points),
         param_tensors=sum(1 for p in params if p.requires_grad),
         cpu_share=_cpu_share(forward + backward, forward_cpu + backward_cpu),
     )
@@ -241,7 +268,7 @@ def _profile_loss(lightning_module: nn.Module, module: str, output: Any, batch: 
     except Exception:  # noqa: BLE001 - any failure of the user's hook outside a step
         return None
     if not trains:
-        profiled.backward_s, profiled.input_grad_s, profiled.backward_fixed_s = 0.0, None, 0.0
+        profiled.backward_s, profiled.input_grad_s, profiled.backward_fixed_s, profiled.backward_points = 0.0, None, 0.0, ()
     profiled.tp_allreduces = 0  # whole on every tp rank
     return profiled
 
@@ -513,7 +540,7 @@ def _profile_module(
         needs_grad = trains and (i > 0 or has_upstream)
         result, x = _profile_layer(name or module, layer, x, needs_grad, repeats, device, samples)
         if not trains:
-            result.backward_s, result.input_grad_s, result.backward_fixed_s = 0.0, None, 0.0
+            result.backward_s, result.input_grad_s, result.backward_fixed_s, result.backward_points = 0.0, None, 0.0, ()
         profiled.append(result)
         if on_meta:
             layer.to("meta")

@@ -248,10 +248,9 @@ class _Space:
             # the bytes part of a split layer's tp all-reduces on the profiled batch, forward and backward
             comm = [self.tp_seconds_per_byte(tp) * layer.tp_allreduces * layer.output_bytes_per_sample
                     * self.profile.profile_batch_size for layer in layers]
-            forward = tuple((layer.forward_seconds(1.0) - layer.forward_seconds(0.0)) / layer.split_by(tp) + c
-                            for layer, c in zip(layers, comm))
-            backward = tuple((layer.backward_seconds(1.0) - layer.backward_seconds(0.0)) / layer.split_by(tp) + c
-                             if trains else 0.0 for layer, c in zip(layers, comm))
+            forward = tuple(layer.forward_rate_floor() / layer.split_by(tp) + c for layer, c in zip(layers, comm))
+            backward = tuple(layer.backward_rate_floor() / layer.split_by(tp) + c if trains else 0.0
+                             for layer, c in zip(layers, comm))
             rates = self.layer_rates[key] = (forward, backward)
         return rates
 
@@ -1273,9 +1272,14 @@ def _summed_losses(losses: Sequence[LayerProfile]) -> Optional[LayerProfile]:
     """The losses of several sinks as one, as a chain's last stage runs them all in turn."""
     if len(losses) <= 1:
         return losses[0] if losses else None
-    summed = {f: sum(getattr(x, f) or 0.0 for x in losses)
-              for f in ("forward_s", "backward_s", "input_grad_s", "forward_fixed_s", "backward_fixed_s",
-                        "activation_bytes_per_sample")}
+    summed: dict[str, Any] = {f: sum(getattr(x, f) or 0.0 for x in losses)
+                              for f in ("forward_s", "backward_s", "input_grad_s", "forward_fixed_s", "backward_fixed_s",
+                                        "activation_bytes_per_sample")}
+    # the curves added up at the fractions any of them was measured at
+    forward_at = sorted({f for x in losses for f, _ in x.forward_points})
+    backward_at = sorted({f for x in losses for f, _ in x.backward_points})
+    summed["forward_points"] = tuple((f, sum(x.forward_seconds(f) for x in losses)) for f in forward_at)
+    summed["backward_points"] = tuple((f, sum(x.backward_seconds(f) for x in losses)) for f in backward_at)
     work = sum(x.forward_s + x.backward_s for x in losses)
     busy = sum((x.forward_s + x.backward_s) * x.cpu_share for x in losses)
     return replace(losses[0], name="pipeline_loss", cpu_share=busy / work if work > 0 else 0.0, **summed)
