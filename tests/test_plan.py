@@ -371,9 +371,9 @@ def test_profile_times_layers_on_fractions_of_the_batch_and_prices_microbatches_
     model = ticking_model(monkeypatch, seconds, lambda rows: 2 * seconds(rows), 1)
     profile = profile_model(model, torch.randn(64, 4), repeats=1)
     layer = profile.modules["net"].layers[0]
-    assert [f for f, _ in layer.forward_points] == [0.5, 0.25, 0.125, 0.0625]
-    assert [t for _, t in layer.forward_points] == pytest.approx([seconds(32), seconds(16), seconds(8), seconds(4)])
-    assert [t for _, t in layer.backward_points] == pytest.approx([2 * seconds(n) for n in (32, 16, 8, 4)])
+    assert [f for f, _ in layer.forward_points] == [0.0625, 0.125, 0.25, 0.5]
+    assert [t for _, t in layer.forward_points] == pytest.approx([seconds(4), seconds(8), seconds(16), seconds(32)])
+    assert [t for _, t in layer.backward_points] == pytest.approx([2 * seconds(n) for n in (4, 8, 16, 32)])
     assert layer.forward_fixed_s == pytest.approx(1e-3)  # from 2 and 4 samples, the lowest segment
     for rows in (2, 4, 12, 16, 24, 48, 64):
         assert layer.forward_seconds(rows / 64) == pytest.approx(seconds(rows))
@@ -385,7 +385,7 @@ def test_profile_times_layers_on_fractions_of_the_batch_and_prices_microbatches_
     assert ModelProfile.from_json(profile.to_json()) == profile
     # 24 samples: not halved to whole numbers below 12, nor below twice the small size
     fewer = profile_model(model, torch.randn(24, 4), repeats=1).modules["net"].layers[0]
-    assert [f for f, _ in fewer.forward_points] == [0.5, 0.25]
+    assert [f for f, _ in fewer.forward_points] == [0.25, 0.5]
 
 
 def test_the_sink_loss_is_profiled_and_charged_on_its_last_stage_once_per_microbatch(monkeypatch):

@@ -127,9 +127,9 @@ class LayerProfile:
     forward_points: tuple[tuple[float, float], ...] = ()
     backward_points: tuple[tuple[float, float], ...] = ()
 
-    def __post_init__(self) -> None:  # JSON gives lists
-        self.forward_points = tuple((float(f), float(t)) for f, t in self.forward_points)
-        self.backward_points = tuple((float(f), float(t)) for f, t in self.backward_points)
+    def __post_init__(self) -> None:  # in order, strictly between 0 and 1 (JSON gives lists)
+        self.forward_points = _sorted_points(self.forward_points)
+        self.backward_points = _sorted_points(self.backward_points)
 
     def split_by(self, tp: int) -> int:
         """The ranks this layer's work and parameters are divided over at ``tp``: ``tp`` when
@@ -157,19 +157,26 @@ class LayerProfile:
 
     def input_grad_seconds(self, fraction: float) -> float:
         """The ``I`` part of :meth:`backward_seconds` (its share of the profiled backward)."""
-        whole = self.backward_seconds(fraction)
+        return self.backward_seconds(fraction) * self.input_grad_share()
+
+    def input_grad_share(self) -> float:
+        """The share of the backward that is ``I`` (a half where not measured)."""
         if self.input_grad_s is None:
-            return whole / 2
-        return whole * self.input_grad_s / self.backward_s if self.backward_s > 0 else 0.0
+            return 0.5
+        return self.input_grad_s / self.backward_s if self.backward_s > 0 else 0.0
+
+
+def _sorted_points(points: Sequence[Sequence[float]]) -> tuple[tuple[float, float], ...]:
+    return tuple(sorted((float(f), float(t)) for f, t in points if 0.0 < f < 1.0))
 
 
 def _knots(measured: float, fixed: float, points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
-    """``(fraction, seconds)`` from the fixed part at 0 through the points to the whole at 1, in
-    order, each at least the one before (more samples never take less time: a point below its
-    predecessor is timing noise)."""
+    """``(fraction, seconds)`` from the fixed part at 0 through the points to the whole at 1, each
+    at least the one before (more samples never take less time: a point below its predecessor
+    is timing noise) and at most the whole."""
     fixed = min(max(fixed, 0.0), measured)
     knots = [(0.0, fixed)]
-    for f, t in sorted(p for p in points if 0.0 < p[0] < 1.0):
+    for f, t in points:
         knots.append((f, min(max(t, knots[-1][1]), measured)))
     knots.append((1.0, measured))
     return knots
@@ -177,19 +184,26 @@ def _knots(measured: float, fixed: float, points: tuple[tuple[float, float], ...
 
 def _on_curve(measured: float, fixed: float, points: tuple[tuple[float, float], ...], fraction: float) -> float:
     """The time at ``fraction`` on the line through its two neighbouring knots (the last
-    segment's slope above 1)."""
-    knots = _knots(measured, fixed, points)
-    for (f0, t0), (f1, t1) in zip(knots, knots[1:]):
-        if fraction <= f1 or f1 == 1.0:
-            return t0 + (t1 - t0) * (fraction - f0) / (f1 - f0)
-    raise AssertionError("unreachable: the last knot is at 1")
+    segment's slope above 1). Without points, the line from the fixed part to the whole (the
+    planner's hot path: no list is built)."""
+    fixed = min(max(fixed, 0.0), measured)
+    if not points:
+        return fixed + (measured - fixed) * fraction
+    f0, t0 = 0.0, fixed
+    for f, t in points:
+        t = min(max(t, t0), measured)
+        if fraction <= f:
+            return t0 + (t - t0) * (fraction - f0) / (f - f0)
+        f0, t0 = f, t
+    return t0 + (measured - t0) * (fraction - f0) / (1.0 - f0)
 
 
 def _rate_floor(measured: float, fixed: float, points: tuple[tuple[float, float], ...]) -> float:
     knots = _knots(measured, fixed, points)
     base = knots[0][1]
     floor = min((t - base) / f for f, t in knots[1:])
-    (f0, t0), (f1, t1) = knots[-2], knots[-1]  # above 1: the last segment's slope (at f, its average is at least the least of the two)
+    # above 1, (t(f) - base) / f averages the whole's rate and the last segment's slope
+    (f0, t0), (f1, t1) = knots[-2], knots[-1]
     return min(floor, (t1 - t0) / (f1 - f0))
 
 
@@ -557,14 +571,18 @@ class CostModel:
         scale = self.samples(module) / profile.profile_batch_size
         tp = placement.tp
         # a split layer: its per-sample part over tp ranks, 1/tp of its parameters (module docstring)
-        forward = sum(layer.forward_seconds(scale / layer.split_by(tp)) for layer in layers)
-        backward = sum(layer.backward_seconds(scale / layer.split_by(tp)) for layer in layers)
-        input_half = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) for layer in layers)
-        forward_wait = sum(layer.forward_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share) for layer in layers)
-        backward_wait = sum(layer.backward_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share)
-                            for layer in layers)
-        input_wait = sum(layer.input_grad_seconds(scale / layer.split_by(tp)) * (1 - layer.cpu_share)
-                         for layer in layers)
+        forward = backward = input_half = forward_wait = backward_wait = input_wait = 0.0
+        for layer in layers:  # one pass: the planner's hot path
+            fraction = scale / layer.split_by(tp)
+            layer_forward, layer_backward = layer.forward_seconds(fraction), layer.backward_seconds(fraction)
+            layer_input = layer_backward * layer.input_grad_share()
+            waiting = 1 - layer.cpu_share
+            forward += layer_forward
+            backward += layer_backward
+            input_half += layer_input
+            forward_wait += layer_forward * waiting
+            backward_wait += layer_backward * waiting
+            input_wait += layer_input * waiting
         param_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers)
         trainable_bytes = sum(layer.param_bytes / layer.split_by(tp) for layer in layers if layer.trainable)
         # the tp all-reduces of each split layer's output, per forward and as many per backward
