@@ -20,8 +20,12 @@ launch (what ``--validate`` compares with the prediction); and, per rank, the me
 * ``rest of training_step``: the metric all-reduce, the dp gradient sums, the logging;
 * ``optimizer and after``: ``on_before_optimizer_step`` to batch end (clipping, the update,
   zeroing, callbacks);
+* ``main thread CPU``: the CPU seconds of the rank's main thread over its step
+  (``time.thread_time``): ``step`` less this is the time it waited (for peers, for gloo's
+  threads, for a core);
 
-per module, the stage costs the prediction used (forward, backward, optimizer step per
+each as its 10th percentile, median and 90th percentile over the steps (the 10th: the steps
+that nothing stalled; the 90th: how long a stall runs); per module, the stage costs the prediction used (forward, backward, optimizer step per
 microbatch and step); and per rank, the median of each compute action as the runtime ran it (the
 wait for its inputs included). CI never runs this.
 """
@@ -46,12 +50,19 @@ from lightning_mmpp.plan.target import ScriptModel, load_target  # noqa: E402
 from lightning_mmpp.plan.costs import CostModel  # noqa: E402
 from lightning_mmpp.plan.launch import rank_threads, run_local  # noqa: E402
 
-PARTS = ("step", "before the step", "run_pipeline", "rest of training_step", "optimizer and after")
+PARTS = ("step", "before the step", "run_pipeline", "rest of training_step", "optimizer and after", "main thread CPU")
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+def _quantiles(values: list[float]) -> tuple[float, ...]:
+    ordered = sorted(values)
+    return tuple(ordered[round(q * (len(ordered) - 1))] for q in QUANTILES)
 
 
 def _worker(rank: int, world: int, model_class: Any, placements: dict, topology: dict, m: int, schedule: str,
             batch: Any, steps: int, warmup: int) -> dict[str, Any]:
-    """This rank's medians of each part, and the slowest rank's step of each timed step."""
+    """This rank's quantiles of each part, the median and 10th percentile of the slowest rank's
+    step, and this rank's median of each compute action."""
     import lightning as L
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -67,12 +78,14 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
             dist.barrier()
             now.clear()
             now["start"] = time.perf_counter()
+            now["cpu"] = time.thread_time()
 
         def on_before_optimizer_step(self, *args: Any) -> None:
             now["optimizer"] = time.perf_counter()
 
         def on_train_batch_end(self, *args: Any) -> None:
             now["end"] = time.perf_counter()
+            now["cpu"] = time.thread_time() - now["cpu"]
             slowest = torch.tensor([now["end"] - now["start"]], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             now["slowest"] = float(slowest)
@@ -122,9 +135,11 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
         "run_pipeline": [m_["pipeline"] for m_ in timed_marks],
         "rest of training_step": [m_["step_out"] - m_["step_in"] - m_["pipeline"] for m_ in timed_marks],
         "optimizer and after": [m_["end"] - m_["optimizer"] for m_ in timed_marks],
+        "main thread CPU": [m_["cpu"] for m_ in timed_marks],
     }
-    return {"parts": {k: statistics.median(v) for k, v in parts.items()},
-            "slowest": statistics.median(m_["slowest"] for m_ in timed_marks),
+    slowest = _quantiles([m_["slowest"] for m_ in timed_marks])
+    return {"parts": {k: _quantiles(v) for k, v in parts.items()},
+            "slowest": slowest[1], "slowest_p10": slowest[0],
             "computes": {k: statistics.median(v[warmup:]) for k, v in computes.items()}}
 
 
@@ -162,11 +177,14 @@ def main() -> None:
                               plan.num_microbatches, str(plan.schedule), batch, args.steps, args.warmup, timeout=900)
                     for _ in range(args.launches)]
         slowest = [launch[0]["slowest"] for launch in launches]
+        clean = statistics.median(launch[0]["slowest_p10"] for launch in launches)
         print("   slowest rank's step per launch: " + ", ".join(f"{s * 1e3:.2f}" for s in slowest)
-              + f" ms; measured / predicted {statistics.median(slowest) / plan.step_time_s:.3f}")
+              + f" ms; measured / predicted {statistics.median(slowest) / plan.step_time_s:.3f} "
+              f"(10th percentile {clean * 1e3:.2f} ms: {clean / plan.step_time_s:.3f})")
+        print(f"   {'ms, p10 / p50 / p90':22s} " + "  ".join(f"{'rank ' + str(r):>22s}" for r in range(args.world_size)))
         for part in PARTS:
-            cells = [f"r{r} {statistics.median(l[r]['parts'][part] for l in launches) * 1e3:6.3f}"
-                     for r in range(args.world_size)]
+            cells = ["/".join(f"{statistics.median(l[r]['parts'][part][i] for l in launches) * 1e3:6.2f}"
+                              for i in range(len(QUANTILES))) for r in range(args.world_size)]
             print(f"   {part:22s} " + "  ".join(cells))
         for rank in range(args.world_size):
             for name in sorted(launches[0][rank]["computes"]):
