@@ -806,6 +806,7 @@ def test_measure_steps_trains_plans_after_a_warm_up_fit_and_reports_each_launch(
         assert isinstance(step, MeasuredStep) and len(step.launch_medians_s) == 2
         low, high = step.spread_s
         assert 0 < low <= step.median_s <= high
+        assert 0 < step.low_s <= step.median_s
     assert measure_runs([], steps=2) == []
     with pytest.raises(PipelineConfigError, match="launches"):
         measure_runs([(make, batch, plans[0])], launches=0)
@@ -922,4 +923,4 @@ def test_cli_validates_where_one_rank_gets_every_core(tmp_path, capsys):
                      "--calibration", str(cal_path), "--validate", "1", "--validate-steps", "2",
                      "--launches", "1"]) == 0
     out = capsys.readouterr().out
-    assert "measured here through Trainer.fit" in out and "measured/predicted" in out
+    assert "measured here through Trainer.fit" in out and "measured/predicted" in out and "unstalled steps" in out

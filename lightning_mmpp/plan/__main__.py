@@ -150,6 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for entry, step in zip(data, measured):
             entry["measured_step_time_s"] = step.median_s
             entry["measured_launch_medians_s"] = list(step.launch_medians_s)
+            entry["measured_low_s"] = step.low_s
         print(json.dumps({"plans": data}, indent=1))
         return 0
     limit = f", memory limit {format_bytes(args.memory_limit)} per rank" if args.memory_limit else ""
@@ -162,7 +163,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for i, (plan, step) in enumerate(zip(plans, measured)):
             low, high = step.spread_s
             print(f"#{i + 1}  predicted {plan.step_time_s * 1e3:.1f} ms  measured {step.median_s * 1e3:.1f} ms "
-                  f"(launches {low * 1e3:.1f}-{high * 1e3:.1f})  measured/predicted {step.median_s / plan.step_time_s:.3f}")
+                  f"(launches {low * 1e3:.1f}-{high * 1e3:.1f})  measured/predicted {step.median_s / plan.step_time_s:.3f}"
+                  f"  unstalled steps (10th percentile) {step.low_s * 1e3:.1f} ms: {step.low_s / plan.step_time_s:.3f}")
+        print("(a median well above the unstalled steps: stalls the cost model does not price; see the README)")
     print()
     print("best plan:")
     print(plans[0].snippet())

@@ -107,10 +107,15 @@ def _measure_worker(rank: int, world_size: int, runs: list[tuple], steps: int, d
 @dataclass(frozen=True)
 class MeasuredStep:
     """A plan's measured step: the median of every launch's timed steps pooled, and each
-    launch's own median (their spread shows how far one launch on this machine can be off)."""
+    launch's own median (their spread shows how far one launch on this machine can be off).
+    ``low_s``: the 10th percentile of the pooled steps, the steps that nothing stalled. Where it
+    sits near the prediction and the median well above, the difference is stalls the cost model
+    does not price (on a CPU of few cores: in the collectives that close a step,
+    benchmarks/README.md); where it is above the prediction too, the prediction is short."""
 
     median_s: float
     launch_medians_s: tuple[float, ...]
+    low_s: Optional[float] = None
 
     @property
     def spread_s(self) -> tuple[float, float]:
@@ -143,8 +148,14 @@ def measure_steps(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int
         for times, got in zip(per_launch, run_local(_measure_worker, world, packed, steps, device, device=device,
                                                     timeout=timeout)[0]):
             times.append(got)
-    return [MeasuredStep(statistics.median([t for launch in times for t in launch]),
-                         tuple(statistics.median(launch) for launch in times)) for times in per_launch]
+    return [MeasuredStep(statistics.median(pooled), tuple(statistics.median(launch) for launch in times),
+                         _tenth_percentile(pooled))
+            for times in per_launch for pooled in [[t for launch in times for t in launch]]]
+
+
+def _tenth_percentile(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[round(0.1 * (len(ordered) - 1))]
 
 
 def measure_runs(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int = 5, device: str = "cpu",
