@@ -148,9 +148,12 @@ def measure_steps(runs: Sequence[tuple[Callable[[], Any], Any, Any]], steps: int
         for times, got in zip(per_launch, run_local(_measure_worker, world, packed, steps, device, device=device,
                                                     timeout=timeout)[0]):
             times.append(got)
-    return [MeasuredStep(statistics.median(pooled), tuple(statistics.median(launch) for launch in times),
-                         _tenth_percentile(pooled))
-            for times in per_launch for pooled in [[t for launch in times for t in launch]]]
+    measured = []
+    for times in per_launch:
+        pooled = [t for launch in times for t in launch]
+        measured.append(MeasuredStep(statistics.median(pooled), tuple(statistics.median(launch) for launch in times),
+                                     _tenth_percentile(pooled)))
+    return measured
 
 
 def _tenth_percentile(values: Sequence[float]) -> float:
