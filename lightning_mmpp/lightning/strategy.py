@@ -33,6 +33,7 @@ from lightning_mmpp.core.schedule import Schedule
 from lightning_mmpp.core.topology import ModuleTopology
 from lightning_mmpp.engine.comm import MultiModuleCommunicator
 from lightning_mmpp.engine.engine import PipelineEngine, StepOutput, check_engine_options, is_partitioned
+from lightning_mmpp.engine.gc_freeze import FrozenHeap
 from lightning_mmpp.engine.microbatch import microbatch_count
 from lightning_mmpp.engine.sharding import check_grad_reduction
 from lightning_mmpp.engine.trace import NULL_TRACER
@@ -81,6 +82,11 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         preemption_checkpoint: where to save a checkpoint when the job is preempted (SIGTERM, or
             SLURM's requeue signal): every rank stops at the next step boundary, saves it there
             and exits with status ``128 + signal`` (see :mod:`lightning_mmpp.lightning.preemption`).
+        freeze_gc: when training starts, freeze the objects alive then (after collecting the
+            young generations), so that Python's full collections stop walking them (one stopped
+            a rank of the README example for 300-350 ms, its peers waiting); unfrozen at
+            teardown. See :mod:`lightning_mmpp.engine.gc_freeze`. ``False``: leave the collector
+            as it is.
 
     Modules built in ``configure_model()`` or under ``trainer.init_module()`` are created on the
     meta device; each rank allocates and initialises only the stages it holds
@@ -111,6 +117,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         static_shapes: bool = False,
         nvtx: Optional[bool] = None,
         sharded_grad_reduction: str = "step",
+        freeze_gc: bool = True,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -140,6 +147,8 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         self._engine: Optional[PipelineEngine] = None
         self._placeholders = PlaceholderSteps()
         self._preemption: Optional[PreemptionHandler] = None
+        self.freeze_gc = freeze_gc
+        self._frozen_heap = FrozenHeap()
 
     def _check_options(self) -> None:
         placeholder = self._layout or PipelineLayout(
@@ -281,6 +290,12 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         )
         self._preemption = install_preemption(self._preemption, trainer, self._engine.failures)
 
+    def on_train_start(self) -> None:
+        """Training starts: freeze the objects alive (``freeze_gc``)."""
+        super().on_train_start()
+        if self.freeze_gc:
+            self._frozen_heap.freeze()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Step boundary: stop every rank together if any was sent a preemption signal."""
         super().on_train_batch_start(batch, batch_idx)
@@ -385,6 +400,7 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
             self._engine.abort(exception)
 
     def teardown(self) -> None:
+        self._frozen_heap.release()
         if self._engine is not None:
             self._engine.close()  # kept (closed) for inspection: its partition, the keys it read
         self._placeholders.remove()
