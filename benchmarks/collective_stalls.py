@@ -34,6 +34,7 @@ from datetime import timedelta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.common import quantiles  # noqa: E402
 from lightning_mmpp.plan.launch import run_local  # noqa: E402
 
 # case: (ms rank 1 computes before it launches, ms both compute between launch and wait)
@@ -42,9 +43,7 @@ STALL_S = 0.002  # a round counts as stalled this far over its case's median
 
 
 def _quantiles(values: list[float]) -> str:
-    ordered = sorted(values)
-    picks = (ordered[round(0.1 * (len(ordered) - 1))], statistics.median(ordered), ordered[round(0.9 * (len(ordered) - 1))])
-    return " / ".join(f"{v * 1e3:5.2f}" for v in picks)
+    return " / ".join(f"{v * 1e3:5.2f}" for v in quantiles(values))
 
 
 def _worker(rank: int, world: int, rounds: int) -> dict[str, str]:

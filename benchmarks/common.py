@@ -292,6 +292,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def quantiles(values: Sequence[float], fractions: Sequence[float] = (0.1, 0.5, 0.9)) -> tuple[float, ...]:
+    """``values`` at each of ``fractions``: the median at 0.5, the nearest rank elsewhere."""
+    ordered = sorted(values)
+    return tuple(statistics.median(ordered) if q == 0.5 else ordered[round(q * (len(ordered) - 1))]
+                 for q in fractions)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A right-aligned plain-text table; floats with 3 significant decimals."""
 

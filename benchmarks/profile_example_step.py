@@ -44,7 +44,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from benchmarks.common import calibration_at  # noqa: E402
+from benchmarks.common import calibration_at, quantiles  # noqa: E402
 from lightning_mmpp.plan import plan_placements, profile_model  # noqa: E402
 from lightning_mmpp.plan.target import ScriptModel, load_target  # noqa: E402
 from lightning_mmpp.plan.costs import CostModel  # noqa: E402
@@ -52,11 +52,6 @@ from lightning_mmpp.plan.launch import rank_threads, run_local  # noqa: E402
 
 PARTS = ("step", "before the step", "run_pipeline", "rest of training_step", "optimizer and after", "main thread CPU")
 QUANTILES = (0.1, 0.5, 0.9)
-
-
-def _quantiles(values: list[float]) -> tuple[float, ...]:
-    ordered = sorted(values)
-    return tuple(ordered[round(q * (len(ordered) - 1))] for q in QUANTILES)
 
 
 def _worker(rank: int, world: int, model_class: Any, placements: dict, topology: dict, m: int, schedule: str,
@@ -137,8 +132,8 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
         "optimizer and after": [m_["end"] - m_["optimizer"] for m_ in timed_marks],
         "main thread CPU": [m_["cpu"] for m_ in timed_marks],
     }
-    slowest = _quantiles([m_["slowest"] for m_ in timed_marks])
-    return {"parts": {k: _quantiles(v) for k, v in parts.items()},
+    slowest = quantiles([m_["slowest"] for m_ in timed_marks], QUANTILES)
+    return {"parts": {k: quantiles(v, QUANTILES) for k, v in parts.items()},
             "slowest": slowest[1], "slowest_p10": slowest[0],
             "computes": {k: statistics.median(v[warmup:]) for k, v in computes.items()}}
 

@@ -186,16 +186,14 @@ def _on_curve(measured: float, fixed: float, points: tuple[tuple[float, float], 
     """The time at ``fraction`` on the line through its two neighbouring knots (the last
     segment's slope above 1). Without points, the line from the fixed part to the whole (the
     planner's hot path: no list is built)."""
-    fixed = min(max(fixed, 0.0), measured)
     if not points:
+        fixed = min(max(fixed, 0.0), measured)
         return fixed + (measured - fixed) * fraction
-    f0, t0 = 0.0, fixed
-    for f, t in points:
-        t = min(max(t, t0), measured)
-        if fraction <= f:
-            return t0 + (t - t0) * (fraction - f0) / (f - f0)
-        f0, t0 = f, t
-    return t0 + (measured - t0) * (fraction - f0) / (1.0 - f0)
+    knots = _knots(measured, fixed, points)
+    for (f0, t0), (f1, t1) in zip(knots, knots[1:]):
+        if fraction <= f1 or f1 == 1.0:
+            return t0 + (t1 - t0) * (fraction - f0) / (f1 - f0)
+    raise AssertionError("unreachable: the last knot is at 1")
 
 
 def _rate_floor(measured: float, fixed: float, points: tuple[tuple[float, float], ...]) -> float:
