@@ -220,9 +220,12 @@ def validation_section(world: int, steps: int) -> None:
 def _row_sleep_model(spec: dict[str, tuple[int, float, float]], topology: dict[str, list[str]], width: int,
                      state_floats: int = 0) -> Any:
     """A LightningModule with one ``nn.Sequential`` of ``n`` row-scaled sleep layers per module
-    (``spec[module] = (n, forward s per row, backward s per row)``): ``x * scale`` (a
-    ``width``-vector), then a sleep of its time per row times the rows; ``state_floats`` more
-    parameters per layer (gradient 0) give the optimizer state memory. Sources read the batch,
+    (``spec[module] = (n, forward s per row, backward s per row)``, optionally followed by a
+    fixed forward and backward time per call): ``x * scale`` (a ``width``-vector), then a sleep of
+    its fixed time plus its time per row times the rows; ``state_floats`` more
+    parameters per layer give the optimizer state memory and work (added to the output through
+    their mean, so that their gradient is not 0: AdamW's ``sqrt`` of an all-zero state runs ~8x
+    slower on CPU than of a real one, which no real model's step shows). Sources read the batch,
     a module with upstream modules their sum."""
     import lightning as L
     import torch
@@ -231,24 +234,24 @@ def _row_sleep_model(spec: dict[str, tuple[int, float, float]], topology: dict[s
     from benchmarks.common import Sleep
 
     class Layer(nn.Module):
-        def __init__(self, tf: float, tb: float) -> None:
+        def __init__(self, tf: float, tb: float, f0: float = 0.0, b0: float = 0.0) -> None:
             super().__init__()
-            self.tf, self.tb = tf, tb
+            self.tf, self.tb, self.f0, self.b0 = tf, tb, f0, b0
             self.scale = nn.Parameter(torch.ones(width))
             self.state = nn.Parameter(torch.zeros(state_floats)) if state_floats else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             n = x.shape[0]
-            y = x * self.scale if self.state is None else x * self.scale + self.state.sum() * 0
-            return Sleep.apply(y, self.tf * n, self.tb * n)
+            y = x * self.scale if self.state is None else x * self.scale + self.state.mean()
+            return Sleep.apply(y, self.f0 + self.tf * n, self.b0 + self.tb * n)
 
     class RowSleepModel(L.LightningModule):
         pipeline_topology = topology
 
         def __init__(self) -> None:
             super().__init__()
-            for name, (n, tf, tb) in spec.items():
-                setattr(self, name, nn.Sequential(*[Layer(tf, tb) for _ in range(n)]))
+            for name, (n, *times) in spec.items():
+                setattr(self, name, nn.Sequential(*[Layer(*times) for _ in range(n)]))
 
         def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
             return batch if not upstream else sum(upstream[n] for n in sorted(upstream))
@@ -317,6 +320,91 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
     for i in range(0, len(rows), 2):
         print(f"{rows[i][0]}: measured uniform/top {measured[i + 1] / measured[i]:.2f}, predicted "
               f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
+
+
+# --- held-out models: the accuracy check on random models the cost model was not tuned on -------
+
+HELD_OUT_TOPOLOGIES = (
+    {"enc": ["lm"], "lm": []},
+    {"image": ["lm"], "audio": ["lm"], "lm": []},
+    {"image": ["proj"], "proj": ["lm"], "lm": []},
+    {"image": ["proj"], "audio": ["lm"], "proj": ["lm"], "lm": []},
+    {"image": ["lm"], "audio": ["lm"], "video": ["lm"], "lm": []},
+)
+
+
+def held_out_case(rng: Any) -> tuple[dict[str, tuple[int, float, float, float, float]], dict[str, list[str]],
+                                     int, int, int, bool]:
+    """One random model for :func:`held_out_section`: a topology of ``HELD_OUT_TOPOLOGIES``; per
+    module 1-8 layers (1-3 for a projector), each with a time per row and, for half the modules,
+    a fixed time per call, backward 1.5-2.5x forward, scaled so that the whole model's step on
+    one process takes 100-400 ms; activations of 16, 1024 or 16384 floats per row; 0, 4 Ki or 64
+    Ki more parameter floats per layer; global batch 32 or 64; and whether to plan it under a
+    memory limit. Returns ``(spec, topology, width, state_floats, batch_size, limited)``."""
+    topology = dict(rng.choice(HELD_OUT_TOPOLOGIES))
+    batch_size = rng.choice((32, 64))
+    raw = {}
+    for name in topology:
+        n = rng.randint(1, 3) if name == "proj" else rng.randint(1, 8)
+        per_row, ratio = rng.uniform(0.1, 1.0), rng.uniform(1.5, 2.5)
+        fixed = rng.uniform(0.1, 1.0) * per_row * batch_size / 4 if rng.random() < 0.5 else 0.0
+        raw[name] = (n, per_row, ratio, fixed)
+    total = sum(n * (per_row * batch_size + fixed) * (1 + ratio) for n, per_row, ratio, fixed in raw.values())
+    scale = rng.uniform(0.1, 0.4) / total
+    spec = {name: (n, per_row * scale, per_row * ratio * scale, fixed * scale, fixed * ratio * scale)
+            for name, (n, per_row, ratio, fixed) in raw.items()}
+    return (spec, topology, rng.choice((16, 1024, 16384)), rng.choice((0, 4096, 65536)), batch_size,
+            rng.random() < 0.3)
+
+
+def held_out_section(world: int, seed: int, models: int, steps: int, launches: int = CALIBRATION_LAUNCHES) -> None:
+    """:func:`accuracy_section` on ``models`` random models (:func:`held_out_case`, seeded): a
+    limited case is planned under 60% of its unlimited top plan's peak memory per rank."""
+    import functools
+    import random
+
+    import torch
+
+    from lightning_mmpp.errors import PipelineConfigError
+    from lightning_mmpp.plan import calibrate, profile_model
+    from lightning_mmpp.plan.launch import rank_threads
+    from lightning_mmpp.plan.validate import measure_steps
+
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    cal = calibrate(world, launches=launches)
+    print(f"\nheld-out: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; "
+          f"load {os.getloadavg()[0]:.2f}")
+    runs, rows = [], []
+    for index in range(models):
+        spec, topology, width, state_floats, batch_size, limited = held_out_case(rng)
+        make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
+        batch = torch.randn(batch_size, width)
+        profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
+        limit = None
+        if limited:
+            limit = 0.6 * plan_placements(profile, world, top_k=1)[0].max_memory_bytes
+        label = (f"{index}: " + ", ".join(f"{name} {n}x({tf * 1e6:.0f}+{f0 * 1e3:.2f}ms)" for name, (n, tf, _, f0, _)
+                                            in spec.items())
+                 + f"; width {width}, +{state_floats} floats/layer, batch {batch_size}"
+                 + (f", limit {limit / 1024:.0f} KiB" if limit else ""))
+        print(label, "->", topology)
+        for kind, uniform in (("top", False), ("uniform", True)):
+            try:
+                plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
+            except PipelineConfigError as error:
+                print(f"  {kind}: no plan ({error})")
+                continue
+            runs.append((make, batch, plan))
+            rows.append((index, kind, plan))
+    measured = measure_steps(runs, steps, launches=launches)
+    print(f"\n{world} ranks, seed {seed}, median of {steps} steps x {launches} launches through Trainer.fit; "
+          f"load {os.getloadavg()[0]:.2f}")
+    print("| model | plan | predicted ms | measured ms (p10) | measured/predicted | layout |")
+    print("|---|---|---|---|---|---|")
+    for (index, kind, plan), step in zip(rows, measured):
+        print(f"| {index} | {kind} | {plan.step_time_s * 1e3:.1f} | {step.median_s * 1e3:.1f} ({step.low_s * 1e3:.1f}) | "
+              f"{step.median_s / plan.step_time_s:.3f} | {plan.describe()}, m={plan.num_microbatches} |")
 
 
 def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,), virtual: tuple[int, ...] = (1,)) -> None:
@@ -424,6 +512,9 @@ def main() -> None:
                              "can run a few percent off throughout on a shared CPU")
     parser.add_argument("--memory-limit", type=float, nargs="+", default=[100 * 1024, 80 * 1024],
                         help="bytes per rank, one --accuracy memory-limited case each")
+    parser.add_argument("--held-out", type=int, metavar="SEED",
+                        help="only the accuracy check on random models (seeded): calibrate, profile, plan, Trainer.fit")
+    parser.add_argument("--held-out-models", type=int, default=5, help="--held-out: how many random models")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
     parser.add_argument("--virtual", type=int, nargs="+", default=[1],
@@ -442,6 +533,10 @@ def main() -> None:
         return
     if args.tp_check:
         tp_check_section(steps=args.steps)
+        return
+    if args.held_out is not None:
+        held_out_section(args.accuracy_world, args.held_out, args.held_out_models, args.accuracy_steps,
+                         args.accuracy_launches)
         return
     if args.accuracy:
         accuracy_section(args.accuracy_world, 32, 16, args.accuracy_steps, args.memory_limit, args.accuracy_launches)

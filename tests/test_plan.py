@@ -766,6 +766,35 @@ def replace_calibration(profile, cal):
     return replace(profile, calibration=cal)
 
 
+def _timed_after_gaps(rank: int, world: int) -> float:
+    import time
+
+    import torch
+
+    from lightning_mmpp.plan.measure import _after_gaps
+
+    calls = iter(range(20))
+
+    def call() -> None:  # rank 1 is the slower one; its 8th call a 0.5 s outlier
+        index = next(calls)
+        time.sleep(0.5 if (rank, index) == (1, 7) else 0.002 if rank == 1 else 0.0005)
+
+    return _after_gaps(call, 20, torch.device("cpu"), gap_s=0.001)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_collective_is_timed_call_by_call_on_the_slowest_rank_without_its_outliers():
+    """_after_gaps: each call's time is the slowest rank's (2 ms, not rank 0's 0.5 ms), and the
+    slowest 5% of calls (a 0.5 s outlier) stay out of the mean (with it, the mean is >= 27 ms)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist import run_distributed
+
+    means = run_distributed(_timed_after_gaps, 2)
+    assert means[0] == means[1]  # one all-reduce of the maximum: every rank gets the same
+    assert 0.002 <= means[0] < 0.02
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys):

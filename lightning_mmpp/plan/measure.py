@@ -22,7 +22,9 @@
   1F1B (``(m + pp - 1)`` forward + backward pairs on the critical path), the cost per action
   with a received message, so the message's own cost.
 
-Times are the slowest rank's (an all-reduce of the maximum), medians over repeats.
+Times are the slowest rank's (an all-reduce of the maximum), medians over repeats; the
+collectives' (the all-reduce sizes, the FSDP2 layers) are each timed alone after an idle gap, as
+a step issues them after a compute, and averaged (:func:`_after_gaps`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ EXTRA_METRICS = 8
 DP_LAYERS = 2
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 32  # width of the framework runs' activations (small: their transfers are latency only)
+# a collective is timed after this much idle time on every rank (a layer's compute in a step)
+GAP_S = 0.002
+GAP_CALLS = 30  # calls per size timed after a gap (10 for the biggest sizes)
+GAP_TRIM = 0.05  # the slowest calls left out of their mean: a garbage collection, not the collective
 
 
 def _width(world: int) -> int:
@@ -150,6 +156,33 @@ def _slowest(fn: Any, repeats: int, device: torch.device, rounds: int = 3) -> fl
     return statistics.median(results)
 
 
+def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S) -> float:
+    """Mean seconds of ``fn()`` (a collective, or a layer's step with its collectives) timed call
+    by call, each after ``gap_s`` of sleep on every rank, the slowest rank's time per call; the
+    slowest ``GAP_TRIM`` of the calls left out.
+
+    Why after a gap and why the mean: a step issues its collectives after a compute, with gloo's
+    threads idle, not back to back. On a 2-core VM a 256-byte all-reduce over 2 ranks took 0.35
+    ms (median) back to back but 0.53 ms median / 1.56 ms mean after a 2 ms sleep; over 4 ranks
+    4.5 and 6.2 / 6.8 ms (a thread woken onto a busy core waits for the scheduler's tick). A
+    step sums many such calls (an FSDP2 stage: three per layer), so what adds up is their mean."""
+    dist.barrier()
+    times = []
+    for _ in range(calls):
+        time.sleep(gap_s)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    kept = sorted(slowest.tolist())[:max(1, calls - int(calls * GAP_TRIM))]
+    return statistics.fmean(kept)
+
+
 def _p2p(rank: int, device: torch.device) -> list[tuple[int, float]]:
     """One-way seconds per message size between ranks 0 and 1 (half a round trip)."""
     points = []
@@ -176,7 +209,8 @@ def _allreduce(device: torch.device, group: Any = None,
     for size in sizes:
         buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
         dist.all_reduce(buf, group=group)
-        points.append((size, _slowest(lambda: dist.all_reduce(buf, group=group), 10 if size < 2**20 else 4, device)))
+        points.append((size, _after_gaps(lambda: dist.all_reduce(buf, group=group),
+                                         GAP_CALLS if size < 2**20 else GAP_CALLS // 3, device)))
     return points
 
 
@@ -206,10 +240,10 @@ def _fsdp(device: torch.device, group: Any = None,
         for sync in (False, True):
             sharded_step(sync)
         step(plain)
-        repeats = 10 if width < 1024 else 4
-        t_plain = _slowest(lambda: step(plain), repeats, device)
-        t_nosync = _slowest(lambda: sharded_step(False), repeats, device)
-        t_sync = _slowest(lambda: sharded_step(True), repeats, device)
+        calls = GAP_CALLS if width < 1024 else GAP_CALLS // 3
+        t_plain = _after_gaps(lambda: step(plain), calls, device)
+        t_nosync = _after_gaps(lambda: sharded_step(False), calls, device)
+        t_sync = _after_gaps(lambda: sharded_step(True), calls, device)
         nbytes = width * width * 4
         points.append((nbytes, max(0.0, t_nosync - t_plain) / 2, max(0.0, t_sync - t_nosync)))
     return points
