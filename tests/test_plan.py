@@ -355,6 +355,61 @@ def test_profile_splits_layer_times_into_a_fixed_part_per_call_and_a_part_per_sa
     assert CostModel(plain, {"net": ModulePlacement()}, 4).stage("net", 0).forward_s == pytest.approx(0.008)
 
 
+def test_profile_times_pipeline_inputs_and_the_cost_model_charges_it_on_the_first_stage(monkeypatch):
+    """A sink whose pipeline_inputs costs a fixed part plus a part per sample, forward and
+    backward (a merge of encoder features into the LM's tokens; on a virtual clock): the profile
+    records it as ModuleProfile.inputs, the cost model charges it on the module's first stage
+    only, per microbatch, and a single chain runs it as a layer before the module's own."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpp.plan import profile as profile_module
+    from lightning_mmpp.plan import profile_model
+
+    clock = [0.0]  # a virtual clock that only the merge advances
+    monkeypatch.setattr(profile_module.time, "perf_counter", lambda: clock[0])
+
+    class Merge(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            clock[0] += 4e-3 + 1e-4 * x.shape[0]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock[0] += 6e-3 + 2e-4 * grad.shape[0]
+            return grad
+
+    class TwoModules(nn.Module):
+        pipeline_topology = {"enc": ["lm"], "lm": []}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.lm = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+        def pipeline_inputs(self, module, batch, upstream):
+            return batch if module == "enc" else Merge.apply(upstream["enc"])
+
+    profile = profile_model(TwoModules(), torch.randn(32, 4), repeats=1)
+    assert profile.modules["enc"].inputs is None  # a source's inputs are its batch: nothing to time
+    glue = profile.modules["lm"].inputs
+    assert glue.forward_s == pytest.approx(4e-3 + 32e-4) and glue.forward_fixed_s == pytest.approx(4e-3)
+    assert glue.backward_s == pytest.approx(6e-3 + 64e-4) and glue.param_bytes == 0
+    assert ModelProfile.from_json(profile.to_json()) == profile
+    without = ModelProfile.from_json(profile.to_json())
+    without.modules["lm"].inputs = None
+    for pp in (1, 2):
+        placements = {"enc": ModulePlacement(), "lm": ModulePlacement(pp=pp)}
+        with_glue, plain = CostModel(profile, placements, 4), CostModel(without, placements, 4)
+        # 4 microbatches of 8 samples: the first stage pays the call per microbatch, the others nothing
+        assert with_glue.stage("lm", 0).forward_s - plain.stage("lm", 0).forward_s == pytest.approx(4e-3 + 8e-4)
+        assert with_glue.stage("lm", 0).backward_s - plain.stage("lm", 0).backward_s == pytest.approx(6e-3 + 16e-4)
+        if pp == 2:
+            assert with_glue.stage("lm", 1).forward_s == plain.stage("lm", 1).forward_s
+    names = [layer.name for layer in chain_profile(profile).modules["chain"].layers]
+    assert names.index("lm.pipeline_inputs") == names.index("enc.0") + 1 and "enc.pipeline_inputs" not in names
+
+
 def test_profile_times_layers_on_fractions_of_the_batch_and_prices_microbatches_along_them(monkeypatch):
     """A layer whose time is not a straight line in its samples (dear per sample up to 16, cheap
     beyond, as a matrix product that uses its cores better on more rows; on a virtual clock the

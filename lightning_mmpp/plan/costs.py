@@ -220,11 +220,18 @@ class ModuleProfile:
     sink's last stage's forward and starts that stage's backward from it, once per microbatch, so
     the cost model charges it there (:meth:`CostModel.stage`). ``None``: not a sink, or not
     measured (a hand-written profile).
+
+    ``inputs``: the model's ``pipeline_inputs`` of a module with upstream modules, timed the same
+    way on the upstream outputs: its forward is the call (a concatenation of image tokens and
+    text embeddings, a sum of encoders' features), its backward the gradients back to the
+    upstream outputs. The runtime calls it in the module's first stage before its first layer,
+    once per microbatch, so the cost model charges it there. ``None``: a source, or not measured.
     """
 
     layers: list[LayerProfile]
     tp_capable: bool = True
     loss: Optional[LayerProfile] = None
+    inputs: Optional[LayerProfile] = None
 
     @property
     def trainable(self) -> bool:
@@ -310,7 +317,8 @@ class ModelProfile:
         modules = {
             name: ModuleProfile([LayerProfile(**layer) for layer in module["layers"]],
                                 tp_capable=module.get("tp_capable", True),
-                                loss=None if module.get("loss") is None else LayerProfile(**module["loss"]))
+                                loss=None if module.get("loss") is None else LayerProfile(**module["loss"]),
+                                inputs=None if module.get("inputs") is None else LayerProfile(**module["inputs"]))
             for name, module in data.pop("modules").items()
         }
         topology = {m: list(d) for m, d in data.pop("topology").items()}
@@ -621,6 +629,16 @@ class CostModel:
         input_wait += recomputed_wait
         backward += recomputed
         input_half += recomputed
+        glue = profile.modules[module].inputs if stage == 0 else None
+        if glue is not None:  # pipeline_inputs: before the first layer, whole on every tp rank, never recomputed
+            glue_forward, glue_backward = glue.forward_seconds(scale), glue.backward_seconds(scale)
+            waiting = 1 - glue.cpu_share
+            forward += glue_forward
+            forward_wait += glue_forward * waiting
+            backward += glue_backward  # the gradients to the upstream outputs: part of I, none of W
+            input_half += glue_backward
+            backward_wait += glue_backward * waiting
+            input_wait += glue_backward * waiting
         loss = profile.modules[module].loss if stage == placement.num_stages - 1 else None
         if loss is not None:  # the sink's loss: after the last layer, whole on every tp rank, never recomputed
             loss_forward, loss_backward = loss.forward_seconds(scale), loss.backward_seconds(scale)

@@ -3,7 +3,8 @@
 :func:`profile_model` composes the modules as :func:`lightning_mmpp.run_unpipelined` does
 (``pipeline_inputs`` in topological order, then the layers of each module's container, the
 same layers the partitioner splits) on one sample batch, in one process, and times every layer
-on its own: the forward, the fused backward (gradient of ones for every float output), and the
+on its own, and a module's ``pipeline_inputs`` of its upstream outputs as a layer too
+(``ModuleProfile.inputs``): the forward, the fused backward (gradient of ones for every float output), and the
 input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
 zero_bubble). The forward and the backward are timed again on 2 samples, which
 splits each into a fixed part per call (Python, autograd, kernel launches: paid by every
@@ -258,6 +259,36 @@ class _LossLayer(nn.Module):
         return result
 
 
+class _InputsLayer(nn.Module):
+    """A module's ``pipeline_inputs`` as a layer of its upstream outputs (a dict), for
+    :func:`_profile_layer`: the call, with the batch cut to the upstream outputs' samples."""
+
+    def __init__(self, inputs: Callable[[str, Any, Any], Any], module: str, batch: Any, samples: int) -> None:
+        super().__init__()
+        self.inputs, self.module, self.batch, self.samples = inputs, module, batch, samples
+
+    def forward(self, upstream: dict[str, Any]) -> Any:
+        rows = _batch_size(upstream, default=self.samples)
+        batch = self.batch
+        if rows != self.samples:  # timed on fewer samples: the batch's first ones
+            cut = _first_samples(self.batch, self.samples, rows)
+            batch = batch if cut is None else cut
+        return self.inputs(self.module, batch, upstream)
+
+
+def _profile_inputs(lightning_module: nn.Module, module: str, upstream: dict[str, Any], batch: Any, needs_grad: bool,
+                    repeats: int, device: torch.device, samples: int) -> Optional[LayerProfile]:
+    """``pipeline_inputs`` of ``module`` timed as a layer of its upstream outputs (its backward:
+    the gradients back to them, where ``needs_grad``); ``None`` when it cannot be timed here."""
+    try:
+        layer = _InputsLayer(lightning_module.pipeline_inputs, module, batch, samples)
+        profiled, _ = _profile_layer("pipeline_inputs", layer, upstream, needs_grad, repeats, device, samples)
+    except Exception:  # noqa: BLE001 - a hook that needs the step's state: nothing is charged
+        return None
+    profiled.tp_allreduces = 0  # whole on every tp rank
+    return profiled
+
+
 def _profile_loss(lightning_module: nn.Module, module: str, output: Any, batch: Any, trains: bool, repeats: int,
                   device: torch.device, samples: int) -> Optional[LayerProfile]:
     """The sink ``module``'s ``pipeline_loss`` timed as a layer of its ``output``; ``None`` when
@@ -370,8 +401,13 @@ def profile_model(
     lightning_module.train()
     try:
         for module in topo.order:
-            x = lightning_module.pipeline_inputs(module, batch, {u: outputs[u] for u in topo.upstream(module)})
+            upstream = {u: outputs[u] for u in topo.upstream(module)}
+            x = lightning_module.pipeline_inputs(module, batch, upstream)
             trains = module not in no_backward
+            glue = None
+            if upstream:  # the gradients flow back through it to upstream modules that train
+                glue = _profile_inputs(lightning_module, module, upstream, batch,
+                                       any(u not in no_backward for u in upstream), repeats, device, samples)
 
             def profile(inputs: Any, module: str = module, trains: bool = trains) -> Any:
                 modules[module], out = _profile_module(
@@ -382,6 +418,7 @@ def profile_model(
 
             # a Ragged input: the layers see the packed items, the output travels on with its counts
             outputs[module] = run_ragged(profile, x, f"module {module!r}")
+            modules[module].inputs = glue
             if not topo.downstream(module):
                 modules[module].loss = _profile_loss(lightning_module, module, outputs[module], batch, trains, repeats,
                                                      device, samples)

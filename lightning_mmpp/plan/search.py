@@ -1260,7 +1260,9 @@ def chain_profile(profile: ModelProfile, name: str = "chain") -> ModelProfile:
     the other): the only layout a single-chain pipeline such as ``torch.distributed.pipelining``
     can run. A baseline for the planner."""
     order = PipelineLayout({m: ModulePlacement() for m in profile.modules}, profile.topology).topology.order
-    layers = [replace(layer, name=f"{m}.{layer.name}") for m in order for layer in profile.modules[m].layers]
+    layers = [replace(layer, name=f"{m}.{layer.name}") for m in order
+              for layer in ([profile.modules[m].inputs] if profile.modules[m].inputs is not None else [])
+              + profile.modules[m].layers]  # a module's pipeline_inputs: a layer without parameters before its own
     for i, layer in enumerate(layers[:-1]):  # a stage boundary carries what every later module still needs
         layers[i] = replace(layer, output_bytes_per_sample=max(layer.output_bytes_per_sample,
                                                                layers[i + 1].input_bytes_per_sample))

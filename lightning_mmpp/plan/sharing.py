@@ -64,11 +64,11 @@ COMPUTING_SHARE = 0.1
 
 
 def cpu_share_of_work(profile: ModelProfile) -> float:
-    """The share of the model's forward + backward layer time (its sinks' losses included) that
-    keeps a core busy."""
+    """The share of the model's forward + backward layer time (its sinks' losses and its
+    modules' ``pipeline_inputs`` included) that keeps a core busy."""
     total = busy = 0.0
     for module in profile.modules.values():
-        for layer in [*module.layers, *([module.loss] if module.loss is not None else [])]:
+        for layer in [*module.layers, *(x for x in (module.loss, module.inputs) if x is not None)]:
             work = layer.forward_s + layer.backward_s
             total += work
             busy += work * layer.cpu_share
