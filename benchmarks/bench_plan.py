@@ -7,6 +7,8 @@
     python benchmarks/bench_plan.py --search --virtual 1 2 --repeats 1   # virtual stages searched too
     python benchmarks/bench_plan.py --virtual-example   # a case where the planner picks virtual stages
     python benchmarks/bench_plan.py --tp-check   # calibrate(4), then a planned tp=2 LM: predicted vs Trainer.fit
+    python benchmarks/bench_plan.py --accuracy   # the models: calibrate(4), profile, plan, Trainer.fit
+    python benchmarks/bench_plan.py --held-out 1 # the same on 6 random models drawn from seed 1 (--accuracy-world N)
 
 * planner time for 8, 16 and 64 ranks on a vision + audio + LM (+ a decoder) profile;
 * predicted step of the top plan against the best uniform layout (every module the same pp,
@@ -514,7 +516,7 @@ def main() -> None:
                         help="bytes per rank, one --accuracy memory-limited case each")
     parser.add_argument("--held-out", type=int, metavar="SEED",
                         help="only the accuracy check on random models (seeded): calibrate, profile, plan, Trainer.fit")
-    parser.add_argument("--held-out-models", type=int, default=5, help="--held-out: how many random models")
+    parser.add_argument("--held-out-models", type=int, default=6, help="--held-out: how many random models")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
     parser.add_argument("--virtual", type=int, nargs="+", default=[1],

@@ -2,6 +2,7 @@
 
     python benchmarks/collective_stalls.py                 # 2 ranks, 200 all-reduces per case
     python benchmarks/collective_stalls.py --rounds 500
+    python benchmarks/collective_stalls.py --after-gaps --world-size 4   # what a step's collective costs
 
 Two local processes (gloo, one thread each) run, after a barrier, an asynchronous all-reduce of
 four floats and wait for it, ``--rounds`` times per case:
@@ -19,7 +20,14 @@ such hand-offs between a rank's main thread and gloo's threads, so a machine who
 percentile sits milliseconds above its median stalls some steps by that much, whatever the
 planner predicts. Such a stall is not priced by the cost model. On the 2-core VM of
 benchmarks/README.md (Linux 6.18, HZ=250, no kernel preemption) the stall is one scheduler tick,
-about 4 ms. CI never runs this.
+about 4 ms.
+
+``--after-gaps``: ``--world-size`` ranks time all-reduces of 256 B, 256 KiB and 2 MiB call by
+call (the slowest rank's time per call), 60 per case: back to back; after 2 ms and 10 ms of
+sleep on every rank (a step's collective after a layer that waits); and after 2 ms of busy
+spinning (after a layer that computes). Printed: median, mean and 10th percentile. The
+calibration times its collectives after a 2 ms sleep and charges the mean
+(``lightning_mmpp.plan.measure._after_gaps``). CI never runs this.
 """
 
 from __future__ import annotations
@@ -81,10 +89,59 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, str]:
     return out
 
 
+GAP_SIZES = (256, 256 * 1024, 2 * 1024 * 1024)
+GAP_CASES = ("back to back", "sleep 2 ms", "sleep 10 ms", "spin 2 ms")
+GAP_CALLS = 60
+
+
+def _gap_worker(rank: int, world: int) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    lines = []
+    for size in GAP_SIZES:
+        buf = torch.zeros(size // 4)
+        for _ in range(3):
+            dist.all_reduce(buf)
+        cells = []
+        for case in GAP_CASES:
+            times = []
+            for _ in range(GAP_CALLS):
+                if case.startswith("sleep"):
+                    time.sleep(float(case.split()[1]) / 1e3)
+                elif case.startswith("spin"):
+                    end = time.perf_counter() + 0.002
+                    while time.perf_counter() < end:
+                        pass
+                start = time.perf_counter()
+                dist.all_reduce(buf)
+                times.append(time.perf_counter() - start)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            per_call = slowest.tolist()
+            cells.append(f"{statistics.median(per_call) * 1e3:.2f} / {statistics.fmean(per_call) * 1e3:.2f} / "
+                         f"{quantiles(per_call)[0] * 1e3:.2f}")
+        lines.append(f"| {world} | {size} | " + " | ".join(cells) + " |")
+    dist.destroy_process_group()
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--after-gaps", action="store_true", help="all-reduces timed after idle or busy gaps")
+    parser.add_argument("--world-size", type=int, default=2, help="--after-gaps: ranks")
     args = parser.parse_args()
+    if args.after_gaps:
+        print(f"$ python benchmarks/collective_stalls.py --after-gaps --world-size {args.world_size}   "
+              f"(load average {os.getloadavg()[0]:.2f})")
+        print("ms, median / mean / 10th percentile of the slowest rank per call")
+        print("| ranks | bytes | " + " | ".join(GAP_CASES) + " |")
+        print("|---|---|" + "---|" * len(GAP_CASES))
+        print("\n".join(run_local(_gap_worker, args.world_size, timeout=600)[0]))
+        return
     print(f"$ python benchmarks/collective_stalls.py --rounds {args.rounds}   (load average {os.getloadavg()[0]:.2f})")
     print("ms, 10th percentile / median / 90th percentile")
     results = run_local(_worker, 2, args.rounds, timeout=600)
