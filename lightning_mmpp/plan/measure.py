@@ -162,10 +162,11 @@ def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S)
     slowest ``GAP_TRIM`` of the calls left out.
 
     Why after a gap and why the mean: a step issues its collectives after a compute, with gloo's
-    threads idle, not back to back. On a 2-core VM a 256-byte all-reduce over 2 ranks took 0.35
-    ms (median) back to back but 0.53 ms median / 1.56 ms mean after a 2 ms sleep; over 4 ranks
-    4.5 and 6.2 / 6.8 ms (a thread woken onto a busy core waits for the scheduler's tick). A
-    step sums many such calls (an FSDP2 stage: three per layer), so what adds up is their mean."""
+    threads idle, not back to back. On a 2-core VM a 256-byte all-reduce took, as a mean per
+    call, 0.69 ms over 2 ranks back to back and 1.58 ms after a 2 ms sleep; over 4 ranks 4.99
+    and 6.47 ms (``benchmarks/collective_stalls.py --after-gaps``: a thread woken onto a busy
+    core waits for the scheduler's tick). A step sums many such calls (an FSDP2 stage: three
+    per layer), so what adds up is their mean, not their median."""
     dist.barrier()
     times = []
     for _ in range(calls):

@@ -3,9 +3,9 @@
 :func:`profile_model` composes the modules as :func:`lightning_mmpp.run_unpipelined` does
 (``pipeline_inputs`` in topological order, then the layers of each module's container, the
 same layers the partitioner splits) on one sample batch, in one process, and times every layer
-on its own, and a module's ``pipeline_inputs`` of its upstream outputs as a layer too
-(``ModuleProfile.inputs``): the forward, the fused backward (gradient of ones for every float output), and the
-input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
+on its own (and a module's ``pipeline_inputs`` of its upstream outputs as a layer too,
+``ModuleProfile.inputs``): the forward, the fused backward (gradient of ones for every float
+output), and the input-gradient part of it (``torch.autograd.grad`` w.r.t. the layer's inputs, the ``I`` of
 zero_bubble). The forward and the backward are timed again on 2 samples, which
 splits each into a fixed part per call (Python, autograd, kernel launches: paid by every
 microbatch whatever its size) and a part that scales with the samples; scaling the whole time
