@@ -630,25 +630,20 @@ class CostModel:
         backward += recomputed
         input_half += recomputed
         glue = profile.modules[module].inputs if stage == 0 else None
-        if glue is not None:  # pipeline_inputs: before the first layer, whole on every tp rank, never recomputed
-            glue_forward, glue_backward = glue.forward_seconds(scale), glue.backward_seconds(scale)
-            waiting = 1 - glue.cpu_share
-            forward += glue_forward
-            forward_wait += glue_forward * waiting
-            backward += glue_backward  # the gradients to the upstream outputs: part of I, none of W
-            input_half += glue_backward
-            backward_wait += glue_backward * waiting
-            input_wait += glue_backward * waiting
         loss = profile.modules[module].loss if stage == placement.num_stages - 1 else None
-        if loss is not None:  # the sink's loss: after the last layer, whole on every tp rank, never recomputed
-            loss_forward, loss_backward = loss.forward_seconds(scale), loss.backward_seconds(scale)
-            waiting = 1 - loss.cpu_share
-            forward += loss_forward
-            forward_wait += loss_forward * waiting
-            backward += loss_backward  # the backward starts from it: part of I, none of W
-            input_half += loss_backward
-            backward_wait += loss_backward * waiting
-            input_wait += loss_backward * waiting
+        # pipeline_inputs before the first layer, the sink's loss after the last: whole on every
+        # tp rank, never recomputed; their backwards (the gradients to the upstream outputs, the
+        # start of the backward) are part of I, none of W
+        for whole in (glue, loss):
+            if whole is not None:
+                whole_forward, whole_backward = whole.forward_seconds(scale), whole.backward_seconds(scale)
+                waiting = 1 - whole.cpu_share
+                forward += whole_forward
+                forward_wait += whole_forward * waiting
+                backward += whole_backward
+                input_half += whole_backward
+                backward_wait += whole_backward * waiting
+                input_wait += whole_backward * waiting
         forward += action + gather + self.received_seconds(module, stage)
         if not trains:
             backward = input_half = weight_half = 0.0

@@ -238,6 +238,16 @@ def _profile_layer(name: str, layer: nn.Module, x: Any, needs_grad: bool, repeat
     return profile, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
 
 
+def _batch_cut_to(batch: Any, samples: int, data: Any) -> Any:
+    """``batch`` (of ``samples`` samples) cut to the samples ``data`` holds: a hook timed on fewer
+    samples (the points, the fixed part) gets the batch's first ones."""
+    rows = _batch_size(data, default=samples)
+    if rows == samples:
+        return batch
+    cut = _first_samples(batch, samples, rows)
+    return batch if cut is None else cut
+
+
 class _LossLayer(nn.Module):
     """A sink's ``pipeline_loss`` as a layer of the sink's output, for :func:`_profile_layer`: the
     call (its metrics included) returning the tensor the runtime starts the backward from (the
@@ -248,12 +258,7 @@ class _LossLayer(nn.Module):
         self.loss, self.module, self.batch, self.samples = loss, module, batch, samples
 
     def forward(self, output: Any) -> torch.Tensor:
-        rows = _batch_size(output, default=self.samples)
-        batch = self.batch
-        if rows != self.samples:  # timed on fewer samples for the fixed part: the batch's first ones
-            cut = _first_samples(self.batch, self.samples, rows)
-            batch = batch if cut is None else cut
-        result = self.loss(self.module, output, batch)
+        result = self.loss(self.module, output, _batch_cut_to(self.batch, self.samples, output))
         if isinstance(result, Mapping):
             return result[TOKEN_LOSS] if TOKEN_LOSS in result else result["loss"]
         return result
@@ -268,12 +273,7 @@ class _InputsLayer(nn.Module):
         self.inputs, self.module, self.batch, self.samples = inputs, module, batch, samples
 
     def forward(self, upstream: dict[str, Any]) -> Any:
-        rows = _batch_size(upstream, default=self.samples)
-        batch = self.batch
-        if rows != self.samples:  # timed on fewer samples: the batch's first ones
-            cut = _first_samples(self.batch, self.samples, rows)
-            batch = batch if cut is None else cut
-        return self.inputs(self.module, batch, upstream)
+        return self.inputs(self.module, _batch_cut_to(self.batch, self.samples, upstream), upstream)
 
 
 def _profile_inputs(lightning_module: nn.Module, module: str, upstream: dict[str, Any], batch: Any, needs_grad: bool,
