@@ -169,7 +169,7 @@ def main() -> None:
         for name in plan.placements:
             stage = cost.stage(name, 0)
             print(f"   {name:8s} stage 0: forward {stage.forward_s * 1e3:.3f}  backward {stage.backward_s * 1e3:.3f}  "
-                  f"optimizer {stage.optimizer_s * 1e3:.3f} ms")
+                  f"optimizer {stage.optimizer_s * 1e3:.3f}  gradient copies {stage.gradient_copy_s * 1e3:.3f} ms")
         make = ScriptModel(os.path.abspath(args.model.rpartition(":")[0]), args.model.rpartition(":")[2])
         launches = [run_local(_worker, args.world_size, make, plan.placements, plan.topology,
                               plan.num_microbatches, str(plan.schedule), batch, args.steps, args.warmup, timeout=900)

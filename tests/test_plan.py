@@ -582,7 +582,7 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
     or, in samples without that measurement, their known wait; and their loss what the profile
     measured for it (``loss``, run once per microbatch on the loss stage), or, in samples without
     that measurement, nothing."""
-    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, _chain_seconds, fit_calibration
+    from lightning_mmpp.plan.measure import BACKWARD_S, DP_LAYERS, FORWARD_S, _chain_seconds, _width, fit_calibration
 
     world, action, message, step, pipeline_step = 4, 0.7e-3, 1.5e-3, 9e-3, 4e-3
     lat, bw = 1e-4, 2e9
@@ -595,7 +595,9 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
         "allreduce": [(n, 6 * 2e-4 + 1.5 * n / bw) for n in (256, 2**20)],
         "fsdp": [(n, 3e-3 + 0.75 * n / bw, 5e-3 + 0.75 * n / bw) for n in (4096, 2**20)],
         "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
-        "framework": {"dp": [(m, step + 6 * 2e-4 + m * (DP_LAYERS * work + sum(loss_fb) + 2 * action)) for m in (2, 32)],
+        "gradient_copy": [(n, 2e-5 + 5e-10 * n) for n in (2**18, 2**24)],
+        "framework": {"dp": [(m, step + 6 * 2e-4 + 5e-10 * 4 * DP_LAYERS * _width(world)
+                              + m * (DP_LAYERS * work + sum(loss_fb) + 2 * action)) for m in (2, 32)],
                       "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known, loss_fb)) for m in (4, 16)]},
     }
     if loss:
@@ -625,6 +627,7 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
         assert cal.gather_step_s == 0.0 and cal.scatter_step_s == 0.0
     assert cal.gather_seconds(2**20, 4, 1) == pytest.approx(3e-3 + 0.75 * 2**20 / bw, rel=0.01)
     assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
+    assert cal.gradient_copy_s_per_byte == pytest.approx(5e-10)
     assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
     assert cal.step_s == pytest.approx(step, rel=1e-3) and cal.pipeline_step_s == pytest.approx(pipeline_step)
     # the chain's critical path: m + world - 1 forward-backward pairs, less the messages of its ends
@@ -792,7 +795,7 @@ def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer()
     placements = {"vision": ModulePlacement(pp=2, dp=2, shard=True), "audio": ModulePlacement(dp=1),
                   "llm": ModulePlacement(pp=1, dp=2, recompute=True)}
     plain = CostModel(profile, placements, 4)
-    cal = _calibration()
+    cal = _calibration(gradient_copy_s_per_byte=3e-10)
     calibrated = CostModel(replace_calibration(profile, cal), placements, 4)
     # vision stage 1: 3 layers of 50 MiB sharded over 2, receives one message per forward and backward
     v0, v1 = plain.stage("vision", 1), calibrated.stage("vision", 1)
@@ -809,6 +812,11 @@ def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer()
     llm = calibrated.stage("llm", 0)
     assert llm.backward_s == pytest.approx(8 * (0.030 + 0.015) * 4 / 16 + cal.action_s)
     assert llm.sync_s == pytest.approx(cal.allreduce_seconds(8 * 200 * MB, 2, 64))
+    # the engine packs an unsharded dp stage's gradients for their sum and copies the sum back: a
+    # sharded stage (FSDP2's reduce-scatter packs its own) and a stage without replicas copy nothing
+    assert llm.gradient_copy_s == pytest.approx(cal.gradient_copy_s_per_byte * 8 * 200 * MB) and llm.gradient_copy_s > 0
+    assert llm.closing_s == pytest.approx(llm.optimizer_s + llm.gradient_copy_s)
+    assert v1.gradient_copy_s == 0.0 and calibrated.stage("audio", 0).gradient_copy_s == 0.0
     # a calibrated plan is predicted slower (every cost above comes on top), and says so with its calibration
     fast = plan_placements(profile, 4, top_k=1)[0]
     slow = plan_placements(profile, 4, top_k=1, calibration=cal)[0]
@@ -859,7 +867,9 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     cal = calibrate(2, steps=2, launches=1)
     # action_s is a difference of two timed steps, clamped at 0: on a loaded 2-core box it can come out 0
     assert cal.world_size == 2 and cal.action_s >= 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
-    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "framework", "layer", "loss", "host_cores"}
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "gradient_copy", "framework", "layer", "loss",
+                                "host_cores"}
+    assert cal.gradient_copy_s_per_byte > 0  # two copies of every byte: 16 MiB cost more than 256 KiB
     outside = cal.samples["framework"]["chain_outside"]  # the chain's first rank, outside its pipeline
     assert 0 < outside < min(t for _, t in cal.samples["framework"]["chain"]) and cal.pipeline_step_s == outside
     assert cal.host_cores >= 1

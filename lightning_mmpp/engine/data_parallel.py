@@ -46,11 +46,25 @@ from lightning_mmpp.core.placement import PipelineLayout
 from lightning_mmpp.engine.sharding import ShardedStage, local_tensor
 from lightning_mmpp.engine.tensor_parallel import counts_on_this_tp_rank
 
-__all__ = ["StageGradients"]
+__all__ = ["StageGradients", "pack_gradients", "unpack_gradients"]
 
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """Gradient bytes per all-reduce of an unsharded stage (DDP's default bucket size)."""
+
+
+def pack_gradients(grads: Sequence[Tensor]) -> Tensor:
+    """One flat tensor holding ``grads`` one after the other: what a bucket's all-reduce sums
+    (a copy of every byte, on the calling thread; the planner calibrates its cost per byte)."""
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def unpack_gradients(flat: Tensor, grads: Sequence[Tensor]) -> None:
+    """Copy the summed ``flat`` (of :func:`pack_gradients`) back into ``grads``."""
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 @dataclass
@@ -111,7 +125,7 @@ class _Reduction:
     def _launch(self, bucket: _Bucket) -> None:
         grads = [local_tensor(p.grad) for p in bucket.params if p.grad is not None]
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = pack_gradients(grads)
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             bucket.pending = (work, flat, grads)
         self.launched += 1
@@ -132,10 +146,7 @@ class _Reduction:
             if bucket.pending is not None:
                 work, flat, grads = bucket.pending
                 work.wait()
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                unpack_gradients(flat, grads)
                 calls += 1
             bucket.pending, bucket.ready = None, set()
         self.launched, self.armed, self.started = 0, False, False

@@ -25,6 +25,9 @@ the profiled layer times:
   once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
   shard, when sharded);
+* ``gradient_copy_s_per_byte`` per gradient byte of an unsharded stage with ``dp > 1``: the
+  engine packs its gradients into one flat buffer for the all-reduce and copies the sum back,
+  both on the rank's main thread (0 in older calibrations);
 * ``metric_s`` per logged metric and step beyond the loss (the framework model logs one; a
   model whose ``pipeline_loss`` returns more pays this for each: ``ModelProfile.metrics``);
 * ``host_cores``: the cores of the host the ``world_size`` ranks ran on (0 on an accelerator,
@@ -144,6 +147,7 @@ class Calibration:
     pipeline_step_s: Optional[float] = None  # None (older calibrations): step_s
     host_cores: int = 0  # 0 (an accelerator, older calibrations): ranks are not taken to share cores
     metric_s: float = 0.0  # per logged metric and step beyond the loss; 0 in older calibrations
+    gradient_copy_s_per_byte: float = 0.0  # packing a gradient byte for its all-reduce and back; 0 in older ones
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -184,6 +188,10 @@ class Calibration:
             return 0.0
         per_layer = self.scatter_layer_s + (group - 1) * self.scatter_step_s
         return layers * per_layer + (group - 1) / group * nbytes / self.scatter_bandwidth
+
+    def gradient_copy_seconds(self, nbytes: float) -> float:
+        """Packing ``nbytes`` of gradients into an all-reduce's flat buffer and copying the sum back."""
+        return self.gradient_copy_s_per_byte * nbytes
 
     def optimizer_seconds(self, nbytes: float) -> float:
         """The optimizer step over ``nbytes`` of parameters held by one rank."""
@@ -238,7 +246,8 @@ class Calibration:
             f"  FSDP2 per layer: all-gather {self.gather_layer_s * 1e3:.3f} ms + {self.gather_step_s * 1e3:.3f} ms "
             f"per ring step + {bw(self.gather_bandwidth)}, reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + "
             f"{self.scatter_step_s * 1e3:.3f} ms per ring step + {bw(self.scatter_bandwidth)}",
-            f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte",
+            f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte; gradients packed for "
+            f"their all-reduce and back: {self.gradient_copy_s_per_byte * 1e9:.3f} ns per byte",
             f"  host: {self.host_cores} cores for {self.world_size} ranks" if self.host_cores else
             "  host: cores not shared (an accelerator, or not measured)",
         ])

@@ -441,6 +441,17 @@ class StageCost:
     backward_wait_s: float = 0.0
     input_wait_s: float = 0.0
     weight_wait_s: float = 0.0
+    # an unsharded stage with dp > 1 packs its gradients into one flat buffer for their sum and
+    # copies the sum back, on the rank's main thread: charged with the optimizer step at the
+    # step's close (the pack runs after the stage's last backward, which delays the rank's later
+    # actions and the sum by as much as it delays the close)
+    gradient_copy_s: float = 0.0
+
+    @property
+    def closing_s(self) -> float:
+        """The stage's part of its rank's work after the gradient sums: the optimizer step and
+        the gradients' copies for their sum."""
+        return self.optimizer_s + self.gradient_copy_s
 
 
 class CostModel:
@@ -609,7 +620,7 @@ class CostModel:
                                        collectives=sharded_layers) if placement.shard else 0.0
             sync = allreduce_seconds(trainable_bytes, dp, bw, lat, scatter_only=placement.shard,
                                      collectives=calls) if trains else 0.0
-            action = optimizer = 0.0
+            action = optimizer = copy = 0.0
         else:
             gather = cal.gather_seconds(param_bytes, dp, sharded_layers) if placement.shard else 0.0
             if not trains:
@@ -622,6 +633,7 @@ class CostModel:
             tensors = sum(layer.param_tensors for layer in layers if layer.trainable)
             optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes,
                                                   tensors) if trains else 0.0
+            copy = cal.gradient_copy_seconds(trainable_bytes) if trains and dp > 1 and not placement.shard else 0.0
         recomputed = forward if placement.recompute else 0.0
         recomputed_wait = forward_wait if placement.recompute else 0.0
         weight_wait = max(0.0, backward_wait - input_wait) + recomputed_wait
@@ -673,7 +685,7 @@ class CostModel:
         if loss is not None and trains:  # what the loss saves for its backward, held until then
             activation += loss.activation_bytes_per_sample * samples
         return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer,
-                         forward_wait, backward_wait, input_wait, weight_wait)
+                         forward_wait, backward_wait, input_wait, weight_wait, copy)
 
     def stage(self, module: str, stage: int) -> StageCost:
         """The costs of ``(module, stage)``."""

@@ -14,6 +14,10 @@
   pairs of ranks, which splits the fixed cost per layer into the hooks' part and a latency per
   ring step (a stage sharded over fewer ranks than were calibrated pays fewer steps);
 * the optimizer step (AdamW) per parameter byte;
+* the copy of gradients into a flat all-reduce buffer and back
+  (:func:`~lightning_mmpp.engine.data_parallel.pack_gradients` and ``unpack_gradients``, as an
+  unsharded dp stage does around its gradient sum, on its main thread) per gradient byte,
+  after an idle gap on every rank at once;
 * the framework's own costs through ``Trainer.fit`` with ``MultiModulePipelineStrategy`` on a
   model whose layers do no work (a scalar scale, then a known wait), less what ``profile_model``
   measures for such a layer (its wait and its own call): a pure data-parallel layout at two microbatch
@@ -55,6 +59,9 @@ P2P_SIZES = (256, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 ALLREDUCE_SIZES = (256, 256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 FSDP_WIDTHS = (32, 256, 1024)  # square linear layers: 4 KiB, 256 KiB, 4 MiB of fp32 parameters
 OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+# gradient bytes packed and unpacked, in tensors of COPY_TENSOR_BYTES (a layer's weight)
+COPY_SIZES = (256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+COPY_TENSOR_BYTES = 256 * 1024
 # the framework constants are slopes over the microbatch count: the wider apart the two counts,
 # the less a few milliseconds of noise per step moves them (2 -> 32: 30 microbatches apart)
 DP_MICROBATCHES = (2, 32)
@@ -256,6 +263,18 @@ def _optimizer(device: torch.device) -> list[tuple[int, float]]:
     return [(size, _slowest(optimizer_probe(reference_optimizer, device, size), 5, device)) for size in OPTIMIZER_SIZES]
 
 
+def _gradient_copy(device: torch.device) -> list[tuple[int, float]]:
+    """Seconds per size of packing gradients into one flat tensor and copying the sum back (the
+    all-reduce itself left out: :func:`_allreduce` times it), after a gap, every rank at once."""
+    from lightning_mmpp.engine.data_parallel import pack_gradients, unpack_gradients
+
+    points = []
+    for size in COPY_SIZES:
+        grads = [torch.ones(COPY_TENSOR_BYTES // 4, device=device) for _ in range(size // COPY_TENSOR_BYTES)]
+        points.append((size, _after_gaps(lambda: unpack_gradients(pack_gradients(grads), grads), GAP_CALLS, device)))
+    return points
+
+
 def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:
     """Median step seconds through ``Trainer.fit`` per microbatch count: ``dp`` (one stage, dp =
     world, 2 layers) and ``chain`` (pp = world, one layer per stage); and ``metrics``, the ``dp``
@@ -318,6 +337,7 @@ def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
             samples["allreduce_pairs"] = _allreduce(dev, pairs[rank // 2], ALLREDUCE_SIZES[:1])
             samples["fsdp_pairs"] = _fsdp(dev, pairs[rank // 2], FSDP_WIDTHS[:1])
     samples["optimizer"] = _optimizer(dev)
+    samples["gradient_copy"] = _gradient_copy(dev)
     samples["framework"] = _framework(world, device, steps)
     return samples
 
@@ -359,6 +379,8 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_step_s", step)
             setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
+    if "gradient_copy" in samples:
+        cal.gradient_copy_s_per_byte = fit_line(samples["gradient_copy"])[1]
     if "metrics" in samples["framework"]:
         (extra, t_extra), = samples["framework"]["metrics"]
         cal.metric_s = max(0.0, (t_extra - samples["framework"]["dp"][0][1]) / extra)
@@ -373,10 +395,11 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
     (m1, t1), (m2, t2) = samples["framework"]["dp"]
     per_microbatch = DP_LAYERS * work + sum(loss)
     cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - per_microbatch) / 2)
-    # the step's gradient all-reduce (fp32, a float per feature and layer) is charged by the cost model itself
+    # the step's gradient all-reduce (fp32, a float per feature and layer) and its copies are charged by the cost
+    # model itself
     gradient_bytes = 4 * DP_LAYERS * _width(world_size)
     cal.step_s = max(0.0, t1 - m1 * (per_microbatch + 2 * cal.action_s)
-                     - cal.allreduce_seconds(gradient_bytes, world_size))
+                     - cal.allreduce_seconds(gradient_bytes, world_size) - cal.gradient_copy_seconds(gradient_bytes))
     if "chain" in samples["framework"]:
         # 1F1B on a chain of equal one-layer stages: (m + pp - 1) forward + backward pairs on the
         # critical path, every microbatch's through the last stage, which also runs the loss; each

@@ -885,7 +885,8 @@ class _Evaluator:
                 return None
         # a rank's step ends with its gradient sums, each started after its module's last
         # backward there (of all its chunks) and run one after the other (colocated modules'
-        # collectives queue on the rank), then its optimizer step, which also waits for the
+        # collectives queue on the rank), then its closing work (the optimizer step, the
+        # gradients' copies for their sums), which also waits for the
         # step's metrics sum: every rank's pipeline done (the engine returns from the step, and
         # Lightning steps the optimizer, only then)
         finish = list(timing.finish)
@@ -899,7 +900,7 @@ class _Evaluator:
                 done = max(done, end) + seconds
             finish[rank] = max(finish[rank], done)
         step = max(timing.step_time, *(
-            max(finish[r], timing.step_time) + sum(cost.stage(s.module, s.stage).optimizer_s for s in small.slots(r))
+            max(finish[r], timing.step_time) + sum(cost.stage(s.module, s.stage).closing_s for s in small.slots(r))
             for r in range(small.world_size)))
         step += step_overhead_seconds(space.profile, space.world_size, in_lockstep(placements, space.world_size))
         if space.shares_cores:

@@ -18,10 +18,11 @@ on the action lists of the whole layout:
   the messages' costs, which on a CPU host are Python, autograd and gloo's copies (modelled as
   waiting, the README example's plans came out 1.32x under their measured step, as a core's
   work 1.20x);
-* on a CPU device the dp gradient syncs and the optimizer step need a core too, for their
-  calibrated time: gloo moves and sums the bytes with the CPU (a 16 MiB all-reduce between two
-  processes on a 2-core VM: 16 ms, 12.5 ms of it CPU on each), beside the ranks still
-  computing; the optimizer updates on it. On an accelerator they wait;
+* on a CPU device the dp gradient syncs and the step's closing work (the optimizer step, the
+  gradients' copies for their sums) need a core too, for their calibrated time: gloo moves and
+  sums the bytes with the CPU (a 16 MiB all-reduce between two processes on a 2-core VM: 16 ms,
+  12.5 ms of it CPU on each), beside the ranks still computing; the optimizer updates and the
+  copies run on it. On an accelerator they wait;
 * the ranks of one host are ``calibration.world_size`` consecutive ranks (the calibration ran on
   one host, as many ranks as it runs); a tp group's followers compute beside their lead, whose
   pieces count once per rank of the group.
@@ -136,7 +137,7 @@ def shared_step_seconds(profile: ModelProfile, placements: Mapping[str, ModulePl
                 continue
             syncs[(rank, module)] = piece(sum(cost.stage(module, s.stage).sync_s
                                               for s in layout.chunk_slots(rank, module)))
-        finals[rank] = piece(sum(cost.stage(s.module, s.stage).optimizer_s for s in layout.slots(rank)))
+        finals[rank] = piece(sum(cost.stage(s.module, s.stage).closing_s for s in layout.slots(rank)))
     timing = simulate_shared(built, layout, work, cores, ranks_per_host(profile, world), syncs, finals)
     return timing.step_time + step_overhead_seconds(profile, world, in_lockstep(placements, world))
 
@@ -146,7 +147,7 @@ def host_bound_seconds(profile: ModelProfile, cost: CostModel, no_backward: froz
     cost: every rank's core work over every host's cores (a host cannot do more core work than
     it has cores, and no host does less than the average). Per step, each rank of a stage runs
     its ``m`` forwards and ``m`` backwards (an ``I`` and ``W`` split does at least the fused
-    backward's core work), and on a CPU device its gradient sync and its optimizer step. The
+    backward's core work), and on a CPU device its gradient sync and its closing work. The
     search prunes with it: the per-rank clocks' bounds sit far under a shared step, and without
     it a search of zero_bubble with virtual stages on 8 CPU ranks simulated 1668 candidates in
     87 s (0.7 s with it)."""
@@ -162,7 +163,7 @@ def host_bound_seconds(profile: ModelProfile, cost: CostModel, no_backward: froz
             per_microbatch = st.forward_s - st.forward_wait_s
             if module not in no_backward:
                 per_microbatch += st.backward_s - st.backward_wait_s
-            once = st.sync_s + st.optimizer_s if on_cpu else 0.0
+            once = st.sync_s + st.closing_s if on_cpu else 0.0
             work += ranks * (cost.m * per_microbatch + once)
     hosts = -(-world_size // ranks_per_host(profile, world_size))
     return work / (hosts * cal.host_cores)
