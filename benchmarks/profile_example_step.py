@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--memory-limit", type=float, help="bytes per rank the plans must fit (default: none)")
+    parser.add_argument("--uniform", action="store_true", help="the best uniform plans (every module the same dp)")
     args = parser.parse_args()
     model_class, batch, topology = load_target(args.model, args.batch_size)
     cal = calibration_at(args.calibration, args.world_size)
@@ -158,10 +159,10 @@ def main() -> None:
     profile = profile_model(model, batch, topology=topology, calibration=cal,
                             num_threads=rank_threads(args.world_size))
     plans = plan_placements(profile, args.world_size, top_k=args.top_k, calibration=cal, batch_size=args.batch_size,
-                            memory_limit_bytes=args.memory_limit)
+                            memory_limit_bytes=args.memory_limit, uniform=args.uniform)
     print(f"$ python benchmarks/profile_example_step.py --model {args.model} --batch-size {args.batch_size} "
           f"--world-size {args.world_size} --top-k {args.top_k} "
-          + (f"--memory-limit {args.memory_limit:.0f} " if args.memory_limit else "") +
+          + (f"--memory-limit {args.memory_limit:.0f} " if args.memory_limit else "") + ("--uniform " if args.uniform else "") +
           f"--steps {args.steps} --launches {args.launches}   (load average {os.getloadavg()[0]:.2f})")
     for i, plan in enumerate(plans, 1):
         cost = CostModel(profile, plan.placements, plan.num_microbatches)

@@ -596,6 +596,7 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
         "fsdp": [(n, 3e-3 + 0.75 * n / bw, 5e-3 + 0.75 * n / bw) for n in (4096, 2**20)],
         "optimizer": [(n, 1e-4 + 2e-9 * n) for n in (65536, 2**20)],
         "gradient_copy": [(n, 2e-5 + 5e-10 * n) for n in (2**18, 2**24)],
+        "sharded_optimizer": (16, 16 * 1e-4),
         "framework": {"dp": [(m, step + 6 * 2e-4 + 5e-10 * 4 * DP_LAYERS * _width(world)
                               + m * (DP_LAYERS * work + sum(loss_fb) + 2 * action)) for m in (2, 32)],
                       "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known, loss_fb)) for m in (4, 16)]},
@@ -628,6 +629,7 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
     assert cal.gather_seconds(2**20, 4, 1) == pytest.approx(3e-3 + 0.75 * 2**20 / bw, rel=0.01)
     assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
     assert cal.gradient_copy_s_per_byte == pytest.approx(5e-10)
+    assert cal.sharded_tensor_s == pytest.approx(1e-4)
     assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
     assert cal.step_s == pytest.approx(step, rel=1e-3) and cal.pipeline_step_s == pytest.approx(pipeline_step)
     # the chain's critical path: m + world - 1 forward-backward pairs, less the messages of its ends
@@ -792,10 +794,12 @@ def test_a_pipelined_plan_pays_the_pipelined_step_cost_and_pure_dp_the_lockstep_
 
 def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer():
     profile = heterogeneous()
+    for layer in profile.modules["vision"].layers:
+        layer.param_tensors = 2  # a weight and a bias
     placements = {"vision": ModulePlacement(pp=2, dp=2, shard=True), "audio": ModulePlacement(dp=1),
                   "llm": ModulePlacement(pp=1, dp=2, recompute=True)}
     plain = CostModel(profile, placements, 4)
-    cal = _calibration(gradient_copy_s_per_byte=3e-10)
+    cal = _calibration(gradient_copy_s_per_byte=3e-10, sharded_tensor_s=2e-4)
     calibrated = CostModel(replace_calibration(profile, cal), placements, 4)
     # vision stage 1: 3 layers of 50 MiB sharded over 2, receives one message per forward and backward
     v0, v1 = plain.stage("vision", 1), calibrated.stage("vision", 1)
@@ -804,7 +808,8 @@ def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer()
     message = cal.message_seconds(4 * MB / 8 * 4, 1)
     assert v1.forward_s == pytest.approx(compute_f + cal.action_s + gather + message)
     assert v1.sync_s == pytest.approx(cal.scatter_seconds(3 * 50 * MB, 2, 3))
-    assert v1.optimizer_s == pytest.approx(cal.optimizer_s_per_byte * 3 * 50 * MB / 2)
+    # its optimizer steps its shard, and each of its parameters (2 per layer) is a DTensor
+    assert v1.optimizer_s == pytest.approx(cal.optimizer_s_per_byte * 3 * 50 * MB / 2 + cal.sharded_tensor_s * 3 * 2)
     # under zero_bubble W is an action and an autograd call of its own: it gathers the layers again
     assert v1.input_s + v1.weight_s == pytest.approx(v1.backward_s + cal.action_s + gather)
     assert v0.optimizer_s == 0.0
@@ -867,8 +872,9 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     cal = calibrate(2, steps=2, launches=1)
     # action_s is a difference of two timed steps, clamped at 0: on a loaded 2-core box it can come out 0
     assert cal.world_size == 2 and cal.action_s >= 0 and cal.p2p_latency_s > 0 and cal.gather_layer_s > 0
-    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "optimizer", "gradient_copy", "framework", "layer", "loss",
-                                "host_cores"}
+    assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "sharded_optimizer", "optimizer", "gradient_copy",
+                                "framework", "layer", "loss", "host_cores"}
+    assert cal.samples["sharded_optimizer"][0] == 16 and cal.sharded_tensor_s >= 0
     assert cal.gradient_copy_s_per_byte > 0  # two copies of every byte: 16 MiB cost more than 256 KiB
     outside = cal.samples["framework"]["chain_outside"]  # the chain's first rank, outside its pipeline
     assert 0 < outside < min(t for _, t in cal.samples["framework"]["chain"]) and cal.pipeline_step_s == outside

@@ -25,6 +25,9 @@ the profiled layer times:
   once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
   shard, when sharded);
+* ``sharded_tensor_s`` per trainable parameter tensor of a sharded stage: the optimizer step
+  over FSDP2's ``DTensor`` parameters costs this much more per tensor than over plain ones (0 in
+  older calibrations);
 * ``gradient_copy_s_per_byte`` per gradient byte of an unsharded stage with ``dp > 1``: the
   engine packs its gradients into one flat buffer for the all-reduce and copies the sum back,
   both on the rank's main thread (0 in older calibrations);
@@ -148,6 +151,7 @@ class Calibration:
     host_cores: int = 0  # 0 (an accelerator, older calibrations): ranks are not taken to share cores
     metric_s: float = 0.0  # per logged metric and step beyond the loss; 0 in older calibrations
     gradient_copy_s_per_byte: float = 0.0  # packing a gradient byte for its all-reduce and back; 0 in older ones
+    sharded_tensor_s: float = 0.0  # the optimizer step's extra per sharded (DTensor) parameter; 0 in older ones
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -247,7 +251,8 @@ class Calibration:
             f"per ring step + {bw(self.gather_bandwidth)}, reduce-scatter {self.scatter_layer_s * 1e3:.3f} ms + "
             f"{self.scatter_step_s * 1e3:.3f} ms per ring step + {bw(self.scatter_bandwidth)}",
             f"  optimizer step: {self.optimizer_s_per_byte * 1e9:.3f} ns per parameter byte; gradients packed for "
-            f"their all-reduce and back: {self.gradient_copy_s_per_byte * 1e9:.3f} ns per byte",
+            f"their all-reduce and back: {self.gradient_copy_s_per_byte * 1e9:.3f} ns per byte; per sharded parameter "
+            f"tensor: {self.sharded_tensor_s * 1e3:.3f} ms",
             f"  host: {self.host_cores} cores for {self.world_size} ranks" if self.host_cores else
             "  host: cores not shared (an accelerator, or not measured)",
         ])

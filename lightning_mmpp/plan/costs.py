@@ -633,6 +633,8 @@ class CostModel:
             tensors = sum(layer.param_tensors for layer in layers if layer.trainable)
             optimizer = profile.optimizer_seconds(trainable_bytes / dp if placement.shard else trainable_bytes,
                                                   tensors) if trains else 0.0
+            if trains and placement.shard:  # each parameter a DTensor: dispatched through its sharding
+                optimizer += cal.sharded_tensor_s * tensors
             copy = cal.gradient_copy_seconds(trainable_bytes) if trains and dp > 1 and not placement.shard else 0.0
         recomputed = forward if placement.recompute else 0.0
         recomputed_wait = forward_wait if placement.recompute else 0.0

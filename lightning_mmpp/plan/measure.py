@@ -14,6 +14,8 @@
   pairs of ranks, which splits the fixed cost per layer into the hooks' part and a latency per
   ring step (a stage sharded over fewer ranks than were calibrated pays fewer steps);
 * the optimizer step (AdamW) per parameter byte;
+* the optimizer step's extra cost per FSDP2-sharded parameter (a ``DTensor``: each of its
+  operations is dispatched through the sharding rules) over a plain one of its local shard's size;
 * the copy of gradients into a flat all-reduce buffer and back
   (:func:`~lightning_mmpp.engine.data_parallel.pack_gradients` and ``unpack_gradients``, as an
   unsharded dp stage does around its gradient sum, on its main thread) per gradient byte,
@@ -62,6 +64,7 @@ OPTIMIZER_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 # gradient bytes packed and unpacked, in tensors of COPY_TENSOR_BYTES (a layer's weight)
 COPY_SIZES = (256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 COPY_TENSOR_BYTES = 256 * 1024
+SHARDED_OPTIMIZER_TENSORS = 16  # FSDP2 units of one parameter each, stepped by the reference optimizer
 # the framework constants are slopes over the microbatch count: the wider apart the two counts,
 # the less a few milliseconds of noise per step moves them (2 -> 32: 30 microbatches apart)
 DP_MICROBATCHES = (2, 32)
@@ -263,6 +266,29 @@ def _optimizer(device: torch.device) -> list[tuple[int, float]]:
     return [(size, _slowest(optimizer_probe(reference_optimizer, device, size), 5, device)) for size in OPTIMIZER_SIZES]
 
 
+def _sharded_optimizer(device: torch.device) -> tuple[int, float]:
+    """``(tensors, seconds)``: the reference optimizer's step over ``SHARDED_OPTIMIZER_TENSORS``
+    parameters sharded over every rank (the strategy's own sharding) less its step over as many
+    plain tensors of their local shards' size, every rank at once."""
+    from lightning_mmpp.engine.sharding import dp_mesh, shard_stage
+    from lightning_mmpp.model.partition import StageRunner
+    from lightning_mmpp.plan.profile import reference_optimizer
+
+    mesh = dp_mesh(dist.group.WORLD, device)
+    layers = [nn.Linear(64, 64, bias=False).to(device) for _ in range(SHARDED_OPTIMIZER_TENSORS)]
+    shard_stage(StageRunner("calibration", 0, layers, [str(i) for i in range(len(layers))]), mesh)
+    sharded = [p for layer in layers for p in layer.parameters()]
+    plain = [nn.Parameter(torch.zeros_like(p.to_local())) for p in sharded]
+    seconds = []
+    for params in (sharded, plain):
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer = reference_optimizer(params)
+        optimizer.step()
+        seconds.append(_slowest(optimizer.step, 10, device))
+    return len(sharded), max(0.0, seconds[0] - seconds[1])
+
+
 def _gradient_copy(device: torch.device) -> list[tuple[int, float]]:
     """Seconds per size of packing gradients into one flat tensor and copying the sum back (the
     all-reduce itself left out: :func:`_allreduce` times it), after a gap, every rank at once."""
@@ -332,6 +358,7 @@ def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
         samples["p2p"] = _p2p(rank, dev)
         samples["allreduce"] = _allreduce(dev)
         samples["fsdp"] = _fsdp(dev)
+        samples["sharded_optimizer"] = _sharded_optimizer(dev)
         if world > 2 and world % 2 == 0:  # pairs of ranks too: a collective's fixed cost grows with its ring's steps
             pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
             samples["allreduce_pairs"] = _allreduce(dev, pairs[rank // 2], ALLREDUCE_SIZES[:1])
@@ -379,6 +406,9 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
             setattr(cal, f"{attr}_step_s", step)
             setattr(cal, f"{attr}_layer_s", fixed - (world_size - 1) * step)  # exact at 2 ranks, as above
     cal.optimizer_s_per_byte = fit_line(samples["optimizer"])[1]
+    if "sharded_optimizer" in samples:
+        tensors, seconds = samples["sharded_optimizer"]
+        cal.sharded_tensor_s = seconds / tensors
     if "gradient_copy" in samples:
         cal.gradient_copy_s_per_byte = fit_line(samples["gradient_copy"])[1]
     if "metrics" in samples["framework"]:
