@@ -599,6 +599,11 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
         "sharded_optimizer": (16, 16 * 1e-4),
         "framework": {"dp": [(m, step + 6 * 2e-4 + 5e-10 * 4 * DP_LAYERS * _width(world)
                               + m * (DP_LAYERS * work + sum(loss_fb) + 2 * action)) for m in (2, 32)],
+                      # 2 more modules at 2 microbatches: their layers and actions, 1.5 ms each beyond
+                      # (their gradient sums end within the backwards after them)
+                      "modules": [(2, step + 6 * 2e-4 + 5e-10 * 4 * DP_LAYERS * _width(world)
+                                   + 2 * (DP_LAYERS * work + sum(loss_fb) + 2 * action)
+                                   + 2 * (2 * (DP_LAYERS * work + 2 * action) + 1.5e-3))],
                       "chain": [(m, pipeline_step + _chain_seconds(world, m, f, b, known, loss_fb)) for m in (4, 16)]},
     }
     if loss:
@@ -630,6 +635,7 @@ def test_fit_calibration_recovers_known_constants(layer, loss):
     assert cal.gather_bandwidth == pytest.approx(bw) and cal.optimizer_s_per_byte == pytest.approx(2e-9)
     assert cal.gradient_copy_s_per_byte == pytest.approx(5e-10)
     assert cal.sharded_tensor_s == pytest.approx(1e-4)
+    assert cal.module_s == pytest.approx(1.5e-3, rel=1e-3)
     assert cal.action_s == pytest.approx(action) and cal.message_s == pytest.approx(message)
     assert cal.step_s == pytest.approx(step, rel=1e-3) and cal.pipeline_step_s == pytest.approx(pipeline_step)
     # the chain's critical path: m + world - 1 forward-backward pairs, less the messages of its ends
@@ -732,6 +738,29 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
         trainable = [layer for i, layer in enumerate(profile.modules[module].layers)
                      if i in per_tensor.ranges(module)[stage] and layer.trainable]
         assert per_tensor._stages[(module, stage)].optimizer_s == pytest.approx(cost.optimizer_s + 2e-3 * len(trainable))
+
+
+def test_a_pure_dp_step_pays_each_module_beyond_the_first_and_the_sums_tail_is_timed_as_queued():
+    """Calibration.module_s: what a module adds to a lockstep step beyond its actions and its
+    gradient sum, charged per module beyond the first where every rank runs every module only;
+    its fit takes off the part of the modules' sums that runs past the last backward."""
+    from lightning_mmpp.plan.costs import in_lockstep, step_overhead_seconds
+    from lightning_mmpp.plan.measure import _sync_tail
+
+    cal = _calibration(module_s=2e-3)
+    profile = replace_calibration(heterogeneous(), cal)  # 3 modules
+    assert step_overhead_seconds(profile, 4, True) == pytest.approx(cal.step_s + 2 * 2e-3)
+    assert step_overhead_seconds(profile, 4, False) == pytest.approx(cal.step_seconds(False))
+    # small parameters: pure dp over the 4 ranks is the plan, and it pays the 2 modules beyond the first
+    small = ModelProfile(modules={name: ModuleProfile(layers(2, 0.010, 0.020, 1024, 1024)) for name in ("a", "b", "c")},
+                         topology={"a": ["c"], "b": ["c"], "c": []}, profile_batch_size=16, batch_size=32,
+                         bandwidth_bytes_per_s=20e9, latency_s=1e-5)
+    plan = plan_placements(replace_calibration(small, cal), 4, top_k=1)[0]
+    free = plan_placements(replace_calibration(small, _calibration()), 4, top_k=1)[0]
+    assert in_lockstep(plan.placements, 4) and plan.placements == free.placements, plan.describe()
+    assert plan.step_time_s == pytest.approx(free.step_time_s + 2 * 2e-3)
+    # sums of 5 s after backwards 8 s apart: only the last module's shows; 2 s apart, they queue
+    assert _sync_tail(1, 0.0, 5.0) == 5.0 and _sync_tail(3, 8.0, 5.0) == 5.0 and _sync_tail(3, 2.0, 5.0) == 11.0
 
 
 def test_each_logged_metric_beyond_the_loss_costs_the_calibrated_metric_cost():
@@ -875,6 +904,7 @@ def test_calibrate_measures_positive_constants_and_validate_trains_plans(capsys)
     assert set(cal.samples) == {"p2p", "allreduce", "fsdp", "sharded_optimizer", "optimizer", "gradient_copy",
                                 "framework", "layer", "loss", "host_cores"}
     assert cal.samples["sharded_optimizer"][0] == 16 and cal.sharded_tensor_s >= 0
+    assert [m for m, _ in cal.samples["framework"]["modules"]] == [2] and cal.module_s >= 0
     assert cal.gradient_copy_s_per_byte > 0  # two copies of every byte: 16 MiB cost more than 256 KiB
     outside = cal.samples["framework"]["chain_outside"]  # the chain's first rank, outside its pipeline
     assert 0 < outside < min(t for _, t in cal.samples["framework"]["chain"]) and cal.pipeline_step_s == outside

@@ -25,6 +25,10 @@ the profiled layer times:
   once per layer per step) for a sharded module;
 * the optimizer step, ``optimizer_s_per_byte`` times the parameter bytes a rank holds (its
   shard, when sharded);
+* ``module_s`` per module beyond the first of a layout whose ranks all run every module (pure
+  dp): what a module adds to such a step beyond its actions and its gradient sum (the sum issued
+  while the next module's backward runs, its wait and write-back, the hand-offs between modules),
+  fitted from a pure-dp run of three modules against the one-module run (0 in older calibrations);
 * ``sharded_tensor_s`` per trainable parameter tensor of a sharded stage: the optimizer step
   over FSDP2's ``DTensor`` parameters costs this much more per tensor than over plain ones (0 in
   older calibrations);
@@ -152,6 +156,7 @@ class Calibration:
     metric_s: float = 0.0  # per logged metric and step beyond the loss; 0 in older calibrations
     gradient_copy_s_per_byte: float = 0.0  # packing a gradient byte for its all-reduce and back; 0 in older ones
     sharded_tensor_s: float = 0.0  # the optimizer step's extra per sharded (DTensor) parameter; 0 in older ones
+    module_s: float = 0.0  # per module beyond the first of a pure-dp step; 0 in older calibrations
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -242,7 +247,8 @@ class Calibration:
         return "\n".join([
             f"calibration: {self.world_size} ranks on {self.device}",
             f"  per compute action {self.action_s * 1e3:.3f} ms, per received message {self.message_s * 1e3:.3f} ms, "
-            f"per step {self.step_s * 1e3:.2f} ms (pipelined: {self.step_seconds(False) * 1e3:.2f} ms), "
+            f"per step {self.step_s * 1e3:.2f} ms (pipelined: {self.step_seconds(False) * 1e3:.2f} ms; pure dp: "
+            f"{self.module_s * 1e3:.2f} ms more per module beyond the first), "
             f"per logged metric {self.metric_s * 1e3:.3f} ms",
             f"  p2p: latency {self.p2p_latency_s * 1e3:.3f} ms, {bw(self.p2p_bandwidth)}",
             f"  all-reduce: {self.allreduce_call_s * 1e3:.3f} ms per call + {self.allreduce_latency_s * 1e3:.3f} ms "

@@ -406,12 +406,15 @@ def metrics_seconds(profile: "ModelProfile", world_size: int) -> float:
 def step_overhead_seconds(profile: "ModelProfile", world_size: int, lockstep: bool = True) -> float:
     """What a step costs beyond its stages and gradient sums: the calibrated per-step cost
     (loop, optimizer's fixed cost, metrics all-reduce) when the profile has a calibration, of a
-    layout whose ranks run in ``lockstep`` (see :func:`in_lockstep`) or of a pipelined one, plus
+    layout whose ranks run in ``lockstep`` (see :func:`in_lockstep`; and there the calibrated
+    cost of each module beyond the first, ``Calibration.module_s``) or of a pipelined one, plus
     the calibrated cost of each logged metric beyond the loss (``ModelProfile.metrics``); the
     metrics all-reduce alone otherwise."""
-    if profile.calibration is not None:
+    cal = profile.calibration
+    if cal is not None:
         extra = max(0, profile.metrics - 1)  # the calibration's model logs its loss
-        return profile.calibration.step_seconds(lockstep) + extra * profile.calibration.metric_s
+        modules = len(profile.modules) - 1 if lockstep else 0
+        return cal.step_seconds(lockstep) + extra * cal.metric_s + modules * cal.module_s
     return metrics_seconds(profile, world_size)
 
 

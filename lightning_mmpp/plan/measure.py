@@ -35,6 +35,7 @@ a step issues them after a compute, and averaged (:func:`_after_gaps`).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -76,6 +77,9 @@ MESSAGE_FIT_STEPS = 40  # bisection steps of the per-message fit: 2**-40 of a mi
 # difference from the same run logging the loss alone, over these
 EXTRA_METRICS = 8
 DP_LAYERS = 2
+# modules of the pure-dp run that measures what a module adds to a lockstep step beyond its
+# actions and its gradient sum (Calibration.module_s), at the dp run's fewer microbatches
+MODULES_RUN_MODULES = 3
 FORWARD_S, BACKWARD_S = 0.002, 0.004  # per layer: known work, subtracted by the fits
 FEATURES = 32  # width of the framework runs' activations (small: their transfers are latency only)
 # a collective is timed after this much idle time on every rank (a layer's compute in a step)
@@ -122,17 +126,19 @@ class _Scale(nn.Module):
 
 
 class _FrameworkModel(L.LightningModule):
-    """One module ``net`` of ``layers`` no-work layers: what is measured is the framework."""
+    """One module ``net`` of ``layers`` no-work layers (or ``modules`` of them in a chain,
+    ``net0 -> net1 -> ...``): what is measured is the framework."""
 
-    pipeline_topology = {"net": []}
-
-    def __init__(self, layers: int, width: int, extra_metrics: int = 0) -> None:
+    def __init__(self, layers: int, width: int, extra_metrics: int = 0, modules: int = 1) -> None:
         super().__init__()
-        self.net = nn.Sequential(*[_Scale(width) for _ in range(layers)])
+        names = ["net"] if modules == 1 else [f"net{i}" for i in range(modules)]
+        self.pipeline_topology = {name: names[i + 1:i + 2] for i, name in enumerate(names)}
+        for name in names:
+            setattr(self, name, nn.Sequential(*[_Scale(width) for _ in range(layers)]))
         self.extra_metrics = extra_metrics
 
     def pipeline_inputs(self, module: str, batch: Any, upstream: dict[str, Any]) -> Any:
-        return batch
+        return next(iter(upstream.values())) if upstream else batch
 
     def pipeline_loss(self, module: str, output: torch.Tensor, batch: Any) -> Any:
         loss = output.square().mean()
@@ -303,32 +309,36 @@ def _gradient_copy(device: torch.device) -> list[tuple[int, float]]:
 
 def _framework(world: int, device: str, steps: int) -> dict[str, list[tuple[int, float]]]:
     """Median step seconds through ``Trainer.fit`` per microbatch count: ``dp`` (one stage, dp =
-    world, 2 layers) and ``chain`` (pp = world, one layer per stage); and ``metrics``, the ``dp``
-    run at its fewer microbatches logging ``EXTRA_METRICS`` more metrics, keyed by that number.
+    world, 2 layers) and ``chain`` (pp = world, one layer per stage); ``metrics``, the ``dp``
+    run at its fewer microbatches logging ``EXTRA_METRICS`` more metrics, keyed by that number;
+    and ``modules``, ``MODULES_RUN_MODULES`` such modules in a chain, every one pure dp over all
+    ranks, at the ``dp`` run's fewer microbatches, keyed by the microbatches.
     The runs alternate over ``FRAMEWORK_ROUNDS`` rounds and each median pools the rounds' steps,
     so a burst of load from elsewhere weighs on every run alike instead of on one fit."""
     from lightning_mmpp.plan.validate import timed_fit
 
-    # name: (placement, layers, microbatch counts, metrics beyond the loss)
-    runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES, 0),
-            "metrics": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES[:1], EXTRA_METRICS)}
+    # name: (placement, layers, microbatch counts, metrics beyond the loss, modules)
+    runs = {"dp": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES, 0, 1),
+            "metrics": (ModulePlacement(pp=1, dp=world), DP_LAYERS, DP_MICROBATCHES[:1], EXTRA_METRICS, 1),
+            "modules": (ModulePlacement(pp=1, dp=world, rank_offset=0), DP_LAYERS, DP_MICROBATCHES[:1], 0,
+                        MODULES_RUN_MODULES)}
     if world > 1:
         runs["chain"] = (ModulePlacement(pp=world, dp=1), world, tuple(c * world for c in CHAIN_MICROBATCHES_PER_STAGE),
-                         0)
+                         0, 1)
     width = _width(world)
     times: dict[tuple[str, int], list[float]] = {}
     chain_outside: list[float] = []  # this rank's time outside its pipeline in the chain runs
     for _ in range(FRAMEWORK_ROUNDS):
-        for name, (placement, layers, counts, extra) in runs.items():
+        for name, (placement, layers, counts, extra, modules) in runs.items():
             for m in counts:
                 torch.manual_seed(0)
                 batch = torch.randn(m * placement.dp * 2, width)
-                model = _FrameworkModel(layers, width, extra)
+                model = _FrameworkModel(layers, width, extra, modules)
                 times.setdefault((name, m), []).extend(timed_fit(
-                    model, {"net": placement}, _FrameworkModel.pipeline_topology, m, "1f1b", batch, steps, device,
-                    outside=chain_outside if name == "chain" else None))
+                    model, {module: placement for module in model.pipeline_topology}, model.pipeline_topology, m,
+                    "1f1b", batch, steps, device, outside=chain_outside if name == "chain" else None))
     timed: dict[str, Any] = {name: [(m, statistics.median(times[(name, m)])) for m in counts]
-                             for name, (_, _, counts, _) in runs.items()}
+                             for name, (_, _, counts, _, _) in runs.items()}
     timed["metrics"] = [(EXTRA_METRICS, t) for _, t in timed["metrics"]]
     if chain_outside:
         timed["chain_outside"] = statistics.median(chain_outside)
@@ -430,6 +440,8 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
     gradient_bytes = 4 * DP_LAYERS * _width(world_size)
     cal.step_s = max(0.0, t1 - m1 * (per_microbatch + 2 * cal.action_s)
                      - cal.allreduce_seconds(gradient_bytes, world_size) - cal.gradient_copy_seconds(gradient_bytes))
+    if "modules" in samples["framework"]:
+        cal.module_s = _fit_module_s(world_size, samples["framework"], work, layer[1], cal)
     if "chain" in samples["framework"]:
         # 1F1B on a chain of equal one-layer stages: (m + pp - 1) forward + backward pairs on the
         # critical path, every microbatch's through the last stage, which also runs the loss; each
@@ -445,6 +457,32 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
         cal.pipeline_step_s = max(0.0, outside if outside is not None else
                                   t1 - _chain_seconds(world_size, m1, layer[0], layer[1], cal, loss))
     return cal
+
+
+def _sync_tail(modules: int, backward: float, sync: float) -> float:
+    """How far the gradient sums of ``modules`` pure-dp modules in a chain run past the step's
+    last backward: each starts when its module's last backward ends (the last module's first,
+    ``backward`` apart) and after the sum before it (as the cost model queues them)."""
+    done = -math.inf
+    for index in range(modules):  # backward order: the last module first, ending (modules - 1 - index) backwards early
+        done = max(done, -(modules - 1 - index) * backward) + sync
+    return done
+
+
+def _fit_module_s(world: int, framework: dict[str, Any], work: float, backward: float, cal: Calibration) -> float:
+    """What each module beyond the first adds to a lockstep step beyond its actions and its
+    gradient sum: the ``modules`` run (``MODULES_RUN_MODULES`` pure-dp modules in a chain) against
+    the one-module ``dp`` run at the same microbatches, less the modules' layers and actions
+    (``2 m`` actions each) and the part of their gradient sums that runs past the last backward
+    (:func:`_sync_tail`, as the cost model times it); at least 0."""
+    (m, t_modules), = framework["modules"]
+    t_one = dict(framework["dp"])[m]
+    k = MODULES_RUN_MODULES
+    gradient_bytes = 4 * DP_LAYERS * _width(world)
+    sync = cal.allreduce_seconds(gradient_bytes, world)
+    layers = (k - 1) * m * (DP_LAYERS * work + 2 * cal.action_s)
+    tails = _sync_tail(k, DP_LAYERS * backward + cal.action_s, sync) - _sync_tail(1, 0.0, sync)
+    return max(0.0, (t_modules - t_one - layers - tails) / (k - 1))
 
 
 def _fit_message_s(world: int, first: tuple[int, float], second: tuple[int, float], layer: Sequence[float],
