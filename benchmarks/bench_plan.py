@@ -278,6 +278,11 @@ ACCURACY_MODELS = {
 }
 
 
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell (a layout's ``|`` between modules escaped)."""
+    return text.replace("|", "\\|")
+
+
 def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float],
                      launches: int = CALIBRATION_LAUNCHES) -> None:
     """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit;
@@ -318,7 +323,7 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
     print("|---|---|---|---|---|---|")
     for (label, kind, plan), seconds in zip(rows, measured):
         print(f"| {label} | {kind} | {plan.step_time_s * 1e3:.1f} | {seconds * 1e3:.1f} | "
-              f"{seconds / plan.step_time_s:.3f} | {plan.describe()}, m={plan.num_microbatches} |")
+              f"{seconds / plan.step_time_s:.3f} | {_cell(plan.describe())}, m={plan.num_microbatches} |")
     for i in range(0, len(rows), 2):
         print(f"{rows[i][0]}: measured uniform/top {measured[i + 1] / measured[i]:.2f}, predicted "
               f"{rows[i + 1][2].step_time_s / rows[i][2].step_time_s:.2f}")
@@ -406,7 +411,7 @@ def held_out_section(world: int, seed: int, models: int, steps: int, launches: i
     print("|---|---|---|---|---|---|")
     for (index, kind, plan), step in zip(rows, measured):
         print(f"| {index} | {kind} | {plan.step_time_s * 1e3:.1f} | {step.median_s * 1e3:.1f} ({step.low_s * 1e3:.1f}) | "
-              f"{step.median_s / plan.step_time_s:.3f} | {plan.describe()}, m={plan.num_microbatches} |")
+              f"{step.median_s / plan.step_time_s:.3f} | {_cell(plan.describe())}, m={plan.num_microbatches} |")
 
 
 def search_section(repeats: int = 3, tp: tuple[int, ...] = (1,), virtual: tuple[int, ...] = (1,)) -> None:

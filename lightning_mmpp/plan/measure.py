@@ -26,7 +26,8 @@
   counts gives the cost per compute action (every microbatch is one forward and one backward
   on every rank) and per step; a ``pp = world_size`` chain at two microbatch counts gives, under
   1F1B (``(m + pp - 1)`` forward + backward pairs on the critical path), the cost per action
-  with a received message, so the message's own cost.
+  with a received message, so the message's own cost; and three such modules in a chain, all
+  pure dp, against the one, what a module beyond the first adds to a pure-dp step.
 
 Times are the slowest rank's (an all-reduce of the maximum), medians over repeats; the
 collectives' (the all-reduce sizes, the FSDP2 layers) are each timed alone after an idle gap, as
