@@ -740,6 +740,26 @@ def test_the_optimizer_step_is_charged_at_the_model_own_optimizer_rate():
         assert per_tensor._stages[(module, stage)].optimizer_s == pytest.approx(cost.optimizer_s + 2e-3 * len(trainable))
 
 
+def test_a_fan_in_pays_the_links_latency_once_for_the_messages_it_waits_on_together():
+    """The LM's replica receives two halves from the vision replicas and one message from audio
+    per microbatch, posted ahead and waited on together: three messages' costs less two latencies;
+    its output gradients go back the same way to the replicas that sent the halves."""
+    cal = _calibration(message_s=2e-3, p2p_latency_s=5e-4)
+    profile = replace_calibration(heterogeneous(), cal)
+    placements = {"vision": ModulePlacement(dp=2, rank_offset=0), "audio": ModulePlacement(rank_offset=2),
+                  "llm": ModulePlacement(rank_offset=3)}
+    cost = CostModel(profile, placements, 4)
+    samples = cost.samples("llm")
+    serial = (cost._message_seconds("vision", 0, samples, 2) + cost._message_seconds("audio", 0, samples, 1))
+    assert cost.received_seconds("llm", 0) == pytest.approx(serial - 2 * 5e-4)
+    # one message alone pays its whole cost; the vision replica gets its half of the gradient back
+    assert cost.received_seconds("audio", 0) == 0.0
+    assert cost.gradient_seconds("vision", 0) == pytest.approx(cost._message_seconds("vision", 0, cost.samples("vision"), 1))
+    plain = CostModel(heterogeneous(), placements, 4)  # uncalibrated: a latency per message, as before
+    assert plain.received_seconds("llm", 0) == pytest.approx(
+        plain._message_seconds("vision", 0, samples, 2) + plain._message_seconds("audio", 0, samples, 1))
+
+
 def test_a_pure_dp_step_pays_each_module_beyond_the_first_and_the_sums_tail_is_timed_as_queued():
     """Calibration.module_s: what a module adds to a lockstep step beyond its actions and its
     gradient sum, charged per module beyond the first where every rank runs every module only;

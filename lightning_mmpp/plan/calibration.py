@@ -9,7 +9,8 @@ the profiled layer times:
   and stage beyond the layers themselves;
 * ``message_s`` per message a stage receives (activations or gradients across a stage boundary
   or a bridge), plus its bytes over ``p2p_bandwidth``: the communicator's packing, posting and
-  waiting, with the link's latency;
+  waiting, with the link's latency; the several messages of one action (a fan-in) are posted
+  ahead and waited on together, so they pay ``p2p_latency_s`` once between them;
 * ``step_s`` per training step: the Trainer's loop, ``zero_grad``, the optimizer's fixed cost,
   the closing all-reduce of the loss and metrics, as a layout whose ranks all run every module
   (pure dp) pays it, every rank at once: fitted from the pure-dp framework run.

@@ -563,11 +563,25 @@ class CostModel:
             return self._message_seconds(module, stage - 1, samples, 1) + \
                 self._relay_seconds(module, module, stage - 1, samples)
         dp = self.placements[module].dp
-        return sum(
-            self._message_seconds(up, self.placements[up].num_stages - 1, samples, max(1, self.placements[up].dp // dp))
-            + self._relay_seconds(module, up, self.placements[up].num_stages - 1, samples)
+        return self._together([
+            (self._message_seconds(up, self.placements[up].num_stages - 1, samples, senders)
+             + self._relay_seconds(module, up, self.placements[up].num_stages - 1, samples), senders)
             for up, downs in self.profile.topology.items() if module in downs and not self._in_process(up, module)
-        )
+            for senders in [max(1, self.placements[up].dp // dp)]
+        ])
+
+    def _together(self, parts: Sequence[tuple[float, int]]) -> float:
+        """Seconds of an action's receives, ``(seconds, messages)`` per peer module: they are
+        posted ahead and waited on together, so the link's calibrated latency is paid once, not
+        once per message (each message's own packing and posting still add). A fan-in of three
+        messages priced one after another ran its stage's forward 0.6 ms per microbatch short of
+        the prediction (benchmarks/README.md, session 17)."""
+        seconds = sum(part for part, _ in parts)
+        messages = sum(count for _, count in parts)
+        cal = self.profile.calibration
+        if cal is None or messages <= 1:
+            return seconds
+        return seconds - (messages - 1) * min(cal.p2p_latency_s, cal.message_s)
 
     def gradient_seconds(self, module: str, stage: int) -> float:
         """Seconds one replica of ``(module, stage)`` spends receiving the gradients of its output."""
@@ -577,12 +591,13 @@ class CostModel:
             return 0.0
         if stage < placement.num_stages - 1:
             return self._message_seconds(module, stage, samples, 1) + self._relay_seconds(module, module, stage, samples)
-        return sum(
-            self._message_seconds(module, stage, samples, max(1, self.placements[down].dp // placement.dp))
-            + self._relay_seconds(module, module, stage, samples)
+        return self._together([
+            (self._message_seconds(module, stage, samples, senders) + self._relay_seconds(module, module, stage, samples),
+             senders)
             for down in self.profile.topology[module]
             if down not in self.no_backward and not self._in_process(module, down)
-        )
+            for senders in [max(1, self.placements[down].dp // placement.dp)]
+        ])
 
     def _stage(self, module: str, stage: int) -> StageCost:
         profile = self.profile
