@@ -89,6 +89,11 @@ GAP_CALLS = 30  # calls per size timed after a gap (10 for the biggest sizes)
 GAP_TRIM = 0.05  # the slowest calls left out of their mean: a garbage collection, not the collective
 
 
+def _framework_gradient_bytes(world: int) -> int:
+    """The fp32 gradient bytes of one framework-run module (a float per feature and layer)."""
+    return 4 * DP_LAYERS * _width(world)
+
+
 def _width(world: int) -> int:
     """Width of the framework runs' activations and of each layer's parameter: at least
     ``FEATURES``, and wide enough that the dp run's gradient sum has a float per rank. A sum of
@@ -279,20 +284,14 @@ def _sharded_optimizer(device: torch.device) -> tuple[int, float]:
     plain tensors of their local shards' size, every rank at once."""
     from lightning_mmpp.engine.sharding import dp_mesh, shard_stage
     from lightning_mmpp.model.partition import StageRunner
-    from lightning_mmpp.plan.profile import reference_optimizer
+    from lightning_mmpp.plan.profile import primed_step, reference_optimizer
 
     mesh = dp_mesh(dist.group.WORLD, device)
     layers = [nn.Linear(64, 64, bias=False).to(device) for _ in range(SHARDED_OPTIMIZER_TENSORS)]
     shard_stage(StageRunner("calibration", 0, layers, [str(i) for i in range(len(layers))]), mesh)
     sharded = [p for layer in layers for p in layer.parameters()]
     plain = [nn.Parameter(torch.zeros_like(p.to_local())) for p in sharded]
-    seconds = []
-    for params in (sharded, plain):
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        optimizer = reference_optimizer(params)
-        optimizer.step()
-        seconds.append(_slowest(optimizer.step, 10, device))
+    seconds = [_slowest(primed_step(reference_optimizer, params), 10, device) for params in (sharded, plain)]
     return len(sharded), max(0.0, seconds[0] - seconds[1])
 
 
@@ -438,7 +437,7 @@ def fit_calibration(world_size: int, device: str, samples: dict[str, Any]) -> Ca
     cal.action_s = max(0.0, ((t2 - t1) / (m2 - m1) - per_microbatch) / 2)
     # the step's gradient all-reduce (fp32, a float per feature and layer) and its copies are charged by the cost
     # model itself
-    gradient_bytes = 4 * DP_LAYERS * _width(world_size)
+    gradient_bytes = _framework_gradient_bytes(world_size)
     cal.step_s = max(0.0, t1 - m1 * (per_microbatch + 2 * cal.action_s)
                      - cal.allreduce_seconds(gradient_bytes, world_size) - cal.gradient_copy_seconds(gradient_bytes))
     if "modules" in samples["framework"]:
@@ -479,7 +478,7 @@ def _fit_module_s(world: int, framework: dict[str, Any], work: float, backward: 
     (m, t_modules), = framework["modules"]
     t_one = dict(framework["dp"])[m]
     k = MODULES_RUN_MODULES
-    gradient_bytes = 4 * DP_LAYERS * _width(world)
+    gradient_bytes = _framework_gradient_bytes(world)
     sync = cal.allreduce_seconds(gradient_bytes, world)
     layers = (k - 1) * m * (DP_LAYERS * work + 2 * cal.action_s)
     tails = _sync_tail(k, DP_LAYERS * backward + cal.action_s, sync) - _sync_tail(1, 0.0, sync)

@@ -481,6 +481,13 @@ def optimizer_probe(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     """A step of ``build(params)`` on ``nbytes`` of fresh fp32 parameters (``tensors`` equal
     tensors) with gradients, its state created by a first step."""
     params = [nn.Parameter(torch.zeros(max(1, nbytes // (4 * tensors)), device=device)) for _ in range(tensors)]
+    return primed_step(build, params)
+
+
+def primed_step(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                params: list[nn.Parameter]) -> Callable[[], None]:
+    """The ``step`` of ``build(params)`` with a small gradient on every parameter, its state
+    created by a first step (what a probe times)."""
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = build(params)
