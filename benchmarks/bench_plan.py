@@ -27,12 +27,13 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile, chain_profile, plan_placements  # noqa: E402
 from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES  # noqa: E402
+from benchmarks.common import calibration_at  # noqa: E402
 
 MB = 2**20
 GiB = 2**30
@@ -284,7 +285,7 @@ def _cell(text: str) -> str:
 
 
 def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory_limits: list[float],
-                     launches: int = CALIBRATION_LAUNCHES) -> None:
+                     launches: int = CALIBRATION_LAUNCHES, calibration: Optional[str] = None) -> None:
     """Calibrate, profile each model, plan (top and best uniform), run both through Trainer.fit;
     the calibration and the measurement each take the median over ``launches`` launches."""
     import functools
@@ -292,13 +293,13 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
 
     import torch
 
-    from lightning_mmpp.plan import calibrate, profile_model
+    from lightning_mmpp.plan import profile_model
     from lightning_mmpp.plan.launch import rank_threads
     from lightning_mmpp.plan.validate import measure_runs
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     start = time.perf_counter()
-    cal = calibrate(world, launches=launches)
+    cal = calibration_at(calibration, world, launches=launches)
     print(f"\naccuracy: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; {load}")
     print(cal.describe())
     batch = torch.randn(batch_size, width)
@@ -364,7 +365,8 @@ def held_out_case(rng: Any) -> tuple[dict[str, tuple[int, float, float, float, f
             rng.random() < 0.3)
 
 
-def held_out_section(world: int, seed: int, models: int, steps: int, launches: int = CALIBRATION_LAUNCHES) -> None:
+def held_out_section(world: int, seed: int, models: int, steps: int, launches: int = CALIBRATION_LAUNCHES,
+                     calibration: Optional[str] = None) -> None:
     """:func:`accuracy_section` on ``models`` random models (:func:`held_out_case`, seeded): a
     limited case is planned under 60% of its unlimited top plan's peak memory per rank."""
     import functools
@@ -373,15 +375,16 @@ def held_out_section(world: int, seed: int, models: int, steps: int, launches: i
     import torch
 
     from lightning_mmpp.errors import PipelineConfigError
-    from lightning_mmpp.plan import calibrate, profile_model
+    from lightning_mmpp.plan import profile_model
     from lightning_mmpp.plan.launch import rank_threads
     from lightning_mmpp.plan.validate import measure_steps
 
     rng = random.Random(seed)
     start = time.perf_counter()
-    cal = calibrate(world, launches=launches)
+    cal = calibration_at(calibration, world, launches=launches)
     print(f"\nheld-out: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; "
           f"load {os.getloadavg()[0]:.2f}")
+    print(cal.describe())
     runs, rows = [], []
     for index in range(models):
         spec, topology, width, state_floats, batch_size, limited = held_out_case(rng)
@@ -522,6 +525,8 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, metavar="SEED",
                         help="only the accuracy check on random models (seeded): calibrate, profile, plan, Trainer.fit")
     parser.add_argument("--held-out-models", type=int, default=6, help="--held-out: how many random models")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="--accuracy / --held-out: the calibration JSON to use, measured and written there when absent")
     parser.add_argument("--search", action="store_true", help="only the 64 x 4 search time")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="--search: the tp sizes to search")
     parser.add_argument("--virtual", type=int, nargs="+", default=[1],
@@ -543,10 +548,11 @@ def main() -> None:
         return
     if args.held_out is not None:
         held_out_section(args.accuracy_world, args.held_out, args.held_out_models, args.accuracy_steps,
-                         args.accuracy_launches)
+                         args.accuracy_launches, args.calibration)
         return
     if args.accuracy:
-        accuracy_section(args.accuracy_world, 32, 16, args.accuracy_steps, args.memory_limit, args.accuracy_launches)
+        accuracy_section(args.accuracy_world, 32, 16, args.accuracy_steps, args.memory_limit, args.accuracy_launches,
+                         args.calibration)
         return
     planner_section()
     if args.validate:

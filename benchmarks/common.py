@@ -349,14 +349,14 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores, torch {torch.__version__}, load average {load:.2f} at start"
 
 
-def calibration_at(path: Optional[str], world_size: int) -> Any:
+def calibration_at(path: Optional[str], world_size: int, **options: Any) -> Any:
     """The :class:`~lightning_mmpp.plan.Calibration` saved at ``path``, or one measured now on
-    ``world_size`` processes (and saved there when a path is given)."""
+    ``world_size`` processes (``calibrate(world_size, **options)``; saved there when a path is given)."""
     from lightning_mmpp.plan import Calibration, calibrate
 
     if path and os.path.exists(path):
         return Calibration.from_json(path)
-    calibration = calibrate(world_size)
+    calibration = calibrate(world_size, **options)
     if path:
         calibration.to_json(path)
     return calibration

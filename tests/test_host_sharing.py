@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -25,14 +26,23 @@ def _dag() -> PipelineLayout:
 
 
 def test_with_a_core_per_rank_the_shared_clock_is_the_simulator_clock():
-    layout = _dag()
+    # the simulator's overlap clock (the runtime's): on the fan-in layout, the LM's rank runs its
+    # B0 before the next microbatch's inputs arrive, which the eager clock waits for
+    fan_in = PipelineLayout({"a": ModulePlacement(rank_offset=0), "b": ModulePlacement(dp=2, rank_offset=1),
+                             "c": ModulePlacement(rank_offset=3)}, TOPOLOGY)
+
+    costs = {"a": 1.0, "b": 1.5, "c": 2.0}
 
     def forward(module, stage):
-        return {"a": 1.0, "b": 1.5, "c": 2.0}[module] + 0.25 * stage
+        return costs[module] + 0.25 * stage
 
-    for name in ("1f1b", "gpipe"):
+    for layout, name, encoder_b in itertools.product((_dag(), fan_in), ("1f1b", "gpipe"), (1.5, 3.0)):
+        costs["b"] = encoder_b
         schedule = build_schedule(layout, 8, name)
-        reference = simulate(schedule, layout, forward, lambda m, s: 2 * forward(m, s), mode="eager")
+        reference = simulate(schedule, layout, forward, lambda m, s: 2 * forward(m, s), mode="overlap")
+        if layout is fan_in and name == "1f1b" and encoder_b == 3.0:  # the case the two clocks differ on
+            assert reference.step_time < simulate(schedule, layout, forward, lambda m, s: 2 * forward(m, s),
+                                                  mode="eager").step_time
 
         def work(rank, action, stage):
             seconds = forward(action.module, stage) * (1 if action.phase is Phase.FORWARD else 2)

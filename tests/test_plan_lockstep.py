@@ -56,7 +56,7 @@ def planner_layouts(draw):
 
 def _reference(layout, m, schedule, forward, backward, no_backward):
     built = build_schedule(layout, m, schedule, no_backward_modules=no_backward)
-    result = simulate(built, layout, forward, backward, mode=SimulatorMode.EAGER, latency=0.0)
+    result = simulate(built, layout, forward, backward, mode=SimulatorMode.OVERLAP, latency=0.0)
     last_backward, held, peak = {}, {}, {}
     finish = [0.0] * layout.world_size
     for rank, start, end, action in sorted(result.computes, key=lambda c: c[1]):

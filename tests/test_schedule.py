@@ -217,13 +217,13 @@ def test_chain_forward_only(name, pp, m):
     check_compute_coverage(schedule, layout)
     check_transfers(schedule, layout)
     check_causality(schedule, layout)
-    for mode in ("rendezvous", "eager"):
+    for mode in ("rendezvous", "eager", "overlap"):
         result = simulate(schedule, layout, TF, TB, mode=mode)
         assert result.step_time == (m + pp - 1) * TF
         assert result.peak_stashed == (0,) * pp  # nothing is stashed without backward
 
 
-@pytest.mark.parametrize("mode", ["rendezvous", "eager"])
+@pytest.mark.parametrize("mode", ["rendezvous", "eager", "overlap"])
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("pp, m", list(chain_cases()))
 def test_chain_simulated_step_time_and_stash(mode, name, pp, m):
@@ -332,6 +332,8 @@ def test_simulator_detects_both_ranks_receiving_first():
     for mode in ("rendezvous", "eager"):
         with pytest.raises(DeadlockError, match="deadlock"):
             simulate(schedule, layout, mode=mode)
+    # overlap posts a receive and goes on (no compute here consumes it): the sends follow
+    assert simulate(schedule, layout, mode="overlap").step_time == 0.0
 
 
 def test_simulator_detects_send_before_recv_cycle_only_in_rendezvous():
@@ -357,7 +359,7 @@ def test_simulator_detects_a_missing_other_end():
         (Compute(FORWARD, "a", 0),),  # never receives
     )
     schedule = Schedule("1f1b", 1, True, actions)
-    for mode in ("rendezvous", "eager"):
+    for mode in ("rendezvous", "eager", "overlap"):
         with pytest.raises(DeadlockError, match="never posts the other end"):
             simulate(schedule, layout, mode=mode)
 
@@ -387,7 +389,7 @@ def test_simulator_rejects_a_transfer_posted_twice():
 
 def test_simulator_unknown_mode():
     layout = chain(1)
-    with pytest.raises(PipelineConfigError, match=r"unknown simulator mode 'async'; choose one of \['rendezvous', 'eager'\]"):
+    with pytest.raises(PipelineConfigError, match=r"unknown simulator mode 'async'; choose one of \['rendezvous', 'eager', 'overlap'\]"):
         simulate(build_schedule(layout, 1), layout, mode="async")
     strict = simulate(build_schedule(layout, 1), layout, mode=SimulatorMode.RENDEZVOUS)
     assert strict == simulate(build_schedule(layout, 1), layout, mode="rendezvous")
@@ -434,7 +436,7 @@ def test_fan_out_and_colocation():
         check_causality(schedule, layout)
         first = next(a for a in schedule.for_rank(0) if isinstance(a, Exchange))
         assert sorted((t.dst_module, t.peer) for t in first.sends) == [("b", 1), ("b", 2), ("c", 1), ("c", 2)]
-        for mode in ("rendezvous", "eager"):
+        for mode in ("rendezvous", "eager", "overlap"):
             simulate(schedule, layout, mode=mode)
 
 
@@ -447,7 +449,7 @@ def test_colocated_modules_send_to_themselves():
     assert computes(schedule, 0, "enc") == expected_1f1b(3, 2)
     assert computes(schedule, 0, "llm") == expected_1f1b(3, 1)
     check_transfers(schedule, layout)
-    for mode in ("rendezvous", "eager"):
+    for mode in ("rendezvous", "eager", "overlap"):
         simulate(schedule, layout, mode=mode)
 
 
@@ -463,7 +465,7 @@ def test_colocated_pipelined_modules_wrap_around():
         check_compute_coverage(schedule, layout)
         check_transfers(schedule, layout)
         check_causality(schedule, layout)
-        for mode in ("rendezvous", "eager"):
+        for mode in ("rendezvous", "eager", "overlap"):
             simulate(schedule, layout, mode=mode)
 
 
@@ -724,3 +726,27 @@ def test_tp_groups_are_scheduled_through_their_leads(name):
     assert [bool(schedule.for_rank(r)) for r in range(6)] == [True, True, True, False, True, False]
     assert {t.peer for a in schedule.for_rank(0) if isinstance(a, Exchange) for t in a.sends} == {2}
     validate_schedule(schedule, layout)
+
+
+def test_overlap_mode_waits_at_the_consumer_not_at_the_exchange():
+    # encoders -> LM, m=2: the LM's rank receives microbatch 1's inputs before its B0. The runtime
+    # (overlap) only posts that receive and runs B0 at once; eager waits there for the encoders' F1
+    layout = PipelineLayout({"image": ModulePlacement(1, 1, 0), "audio": ModulePlacement(1, 2, 1),
+                             "lm": ModulePlacement(1, 1, 3)}, {"image": ["lm"], "audio": ["lm"], "lm": []})
+    schedule = build_schedule(layout, 2, "1f1b")
+    forward = lambda module, stage: {"image": 10.0, "audio": 16.0, "lm": 8.0}[module]  # noqa: E731
+    backward = lambda module, stage: 2 * forward(module, stage)  # noqa: E731
+
+    def starts(mode):
+        result = simulate(schedule, layout, forward, backward, mode=mode)
+        return {(r, str(a)): s for r, s, _e, a in result.computes}, result.step_time
+
+    eager, eager_step = starts("eager")
+    overlap, overlap_step = starts("overlap")
+    assert eager[(3, "B0:lm")] == 32.0  # after audio's F1 (16 + 16)
+    assert overlap[(3, "B0:lm")] == 24.0  # right after its F0 (16 + 8)
+    assert overlap[(3, "F1:lm")] == 40.0  # its inputs came at 32; B0 ran until 40
+    # audio's B0 waits for the LM's B0 (ends 40), its B1 for the LM's B1 (48-64): 40 + 32 + 32
+    assert (overlap_step, eager_step) == (104.0, 112.0)
+    # the deadlock check is still the strict mode's: overlap accepts what rendezvous accepts
+    simulate(schedule, layout, forward, backward, mode="rendezvous")

@@ -18,8 +18,8 @@ Besides each rank's action list, a rank runs two more kinds of work:
 * a **final** piece (the optimizer step) once the rank's actions and syncs are all done and
   every rank's action list has ended (the step's metrics sum joins them all before it).
 
-Exchanges complete as in the simulator's eager mode: once every send they receive from has been
-posted. Hand-written (not a general discrete-event library) because the rule is one line and
+Exchanges as in the simulator's ``"overlap"`` mode (the runtime's): a rank posts an exchange and
+goes on; a compute starts once every send whose message it consumes has been posted. Hand-written (not a general discrete-event library) because the rule is one line and
 the planner runs it on a handful of plans per search.
 """
 
@@ -31,7 +31,7 @@ from typing import Optional
 
 from lightning_mmpp.core.actions import Compute, Exchange, Phase, Schedule
 from lightning_mmpp.core.placement import PipelineLayout
-from lightning_mmpp.core.simulator import DeadlockError, exchange_partners
+from lightning_mmpp.core.simulator import DeadlockError, exchange_partners, receive_waits
 
 __all__ = ["SharedTiming", "Work", "simulate_shared"]
 
@@ -112,6 +112,7 @@ def simulate_shared(
     world = schedule.world_size
     actions = schedule.actions
     partner = exchange_partners(schedule)
+    consumed = receive_waits(schedule, partner)
     last_backward: dict[tuple[int, str], int] = {}  # (rank, module) -> index of its last backward piece
     for rank, acts in enumerate(actions):
         for i, action in enumerate(acts):
@@ -162,14 +163,12 @@ def simulate_shared(
             i = state.pc
             action = actions[rank][i]
             if isinstance(action, Exchange):
-                if (rank, i) not in posted:
-                    posted.add((rank, i))
-                    changed = True
-                if not all(other in posted for other in partner[rank][i][1]):
-                    return changed
+                posted.add((rank, i))
                 state.pc += 1
                 changed = True
                 continue
+            if not all(other in posted for other in consumed[rank][i]):
+                return changed
             slot = layout.slot(rank, action.module, action.chunk)
             if slot is None:
                 raise DeadlockError(f"rank {rank} computes {action} but holds no such stage")

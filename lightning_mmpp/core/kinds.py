@@ -113,11 +113,14 @@ DEFAULT_NUMBERING = Numbering.ALAP
 
 class SimulatorMode(Choice):
     """How :func:`~lightning_mmpp.core.simulator.simulate` completes an exchange: ``"rendezvous"``
-    (a send waits for its receive: the strict deadlock check) or ``"eager"`` (sends complete at
-    once: the timing model)."""
+    (a send waits for its receive: the strict deadlock check), ``"eager"`` (sends complete at
+    once; an exchange waits for the sends it receives from) or ``"overlap"`` (sends complete at
+    once; an exchange only posts its receives, and the compute that consumes a message waits for
+    its send: the runtime's overlap mode, the planner's timing model)."""
 
     RENDEZVOUS = "rendezvous"
     EAGER = "eager"
+    OVERLAP = "overlap"
 
     @classmethod
     def label(cls) -> str:

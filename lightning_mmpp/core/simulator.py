@@ -9,8 +9,13 @@ per phase and per ``(module, stage)``. Two ways of completing an
 * ``"rendezvous"`` (the strict check): an exchange completes when every partner exchange
   holding the other end of its transfers has been posted; a send waits for its receive.
   Deadlock-free here means deadlock-free on any backend.
-* ``"eager"`` (the timing model): sends complete at once (gloo and NCCL post them
-  asynchronously); an exchange completes when the sends it receives from were posted.
+* ``"eager"``: sends complete at once (gloo and NCCL post them asynchronously); an exchange
+  completes when the sends it receives from were posted.
+* ``"overlap"`` (the timing model of the runtime, whose ``overlap`` mode is its default): sends
+  complete at once; an exchange only posts its receives and the rank goes on; the compute that
+  consumes a message (the forward of its destination stage, the first backward piece of its
+  source stage) waits until its send was posted (:func:`receive_waits`). A rank that receives
+  the next microbatch's input before a backward runs that backward without waiting for it.
 
 Costs: ``forward_cost`` (F), ``backward_cost`` (a fused B), ``input_cost`` (I) and
 ``weight_cost`` (W), each a number or a function ``(module, stage) -> seconds``. A number is
@@ -125,6 +130,31 @@ def exchange_partners(schedule: Schedule) -> list[list[tuple[list[tuple[int, int
     return partner
 
 
+def receive_waits(schedule: Schedule,
+                  partner: list[list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]]) -> list[list[list[tuple[int, int]]]]:
+    """Per rank and action index, under ``"overlap"``: the ``(rank, action index)`` of the
+    exchanges an action waits for. An exchange waits for none (it posts its receives); a forward
+    consumes the forward messages to its stage and microbatch, and the first backward piece
+    (``B``, ``I``, or a ``W`` without an ``I``) of a stage and microbatch the gradients of that
+    stage's output: such a compute waits for the exchanges that send them and for its own rank's
+    exchange that receives them (one placed after the compute never comes first: a deadlock).
+    ``partner`` is :func:`exchange_partners`'s."""
+    waits: list[list[list[tuple[int, int]]]] = []
+    for rank, actions in enumerate(schedule.actions):
+        receives: dict[tuple[bool, str, int, int], list[tuple[int, int]]] = {}  # (forward, module, chunk, k)
+        for i, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                for t, sender in zip(action.recvs, partner[rank][i][1]):
+                    key = t.key
+                    forward = key.direction is Direction.FORWARD
+                    module, chunk = (key.dst_module, key.dst_chunk) if forward else (key.src_module, key.src_chunk)
+                    receives.setdefault((forward, module, chunk, key.microbatch), []).extend([sender, (rank, i)])
+        waits.append([[] if isinstance(action, Exchange) else
+                      receives.pop((action.phase is Phase.FORWARD, action.module, action.chunk, action.microbatch), [])
+                      for action in actions])
+    return waits
+
+
 class PhaseSeconds:
     """Seconds of each compute of a schedule: ``F``, a fused ``B``, ``I``, ``W`` per ``(module,
     stage)``; a ``W`` without an ``I`` before it (a lone W) is the whole backward and costs a ``B``."""
@@ -222,12 +252,15 @@ def simulate(
     exchange completes (see the module docstring); an unknown one is a
     :class:`~lightning_mmpp.errors.PipelineConfigError`.
     """
-    rendezvous = SimulatorMode.parse(mode) is SimulatorMode.RENDEZVOUS
+    mode = SimulatorMode.parse(mode)
+    rendezvous = mode is SimulatorMode.RENDEZVOUS
+    overlap = mode is SimulatorMode.OVERLAP
     costs = PhaseSeconds(schedule, layout, forward_cost, backward_cost, input_cost, weight_cost)
     stash = _StashCounter(schedule, layout, costs.with_input_half, weight_stash)
     world = layout.world_size
     actions = schedule.actions
     partner = exchange_partners(schedule)
+    consumed = receive_waits(schedule, partner) if overlap else None
     computes: list[tuple[int, float, float, Compute]] = []
     pc = [0] * world
     clock = [0.0] * world
@@ -256,11 +289,19 @@ def simulate(
                     slot = layout.slot(rank, action.module, action.chunk)
                     if slot is None:
                         raise DeadlockError(f"rank {rank} computes {action} but holds no such stage")
+                    if consumed is not None:
+                        senders = consumed[rank][i]
+                        if any(other not in posted_at for other in senders):
+                            break
+                        if senders:  # a message lands ``latency`` after its send was posted
+                            clock[rank] = max(clock[rank], max(posted_at[other] for other in senders) + latency)
                     seconds = costs.seconds(rank, action, slot.stage)
                     computes.append((rank, clock[rank], clock[rank] + seconds, action))
                     clock[rank] += seconds
                     busy[rank] += seconds
                     stash.count(rank, action)
+                elif overlap:
+                    posted_at[(rank, i)] = clock[rank]
                 else:
                     posted_at[(rank, i)] = clock[rank]
                     ready = exchange_ready(rank, i)

@@ -1,7 +1,7 @@
 """The planner's timing of a 1F1B or GPipe step in one pass (pure Python).
 
 :func:`time_lockstep` gives what :func:`~lightning_mmpp.core.schedule.build_schedule` followed by
-:func:`~lightning_mmpp.core.simulator.simulate` (``mode="eager"``, no latency) give for those
+:func:`~lightning_mmpp.core.simulator.simulate` (``mode="overlap"``, no latency) give for those
 schedules: the step time, each rank's busy time, and per ``(rank, module)`` unit the end of its
 last backward and the most microbatches it held in flight. It plays the same lockstep ticks as
 the schedule builder (per tick and unit: a fused backward whose gradients arrived, downstream
@@ -9,8 +9,10 @@ modules first, else a forward whose inputs arrived within the unit's in-flight l
 delivered at the next tick; every rank that sends or receives in a tick posts one exchange after
 that tick's computes) and times them as it goes, on integer unit indices and flat lists instead
 of action and transfer objects: a planner simulation costs a few milliseconds instead of a few
-hundred. ``tests/test_plan_lockstep.py`` checks it against the builder and the simulator on
-random DAG layouts (colocated modules, fan-in / fan-out, frozen modules, both schedules).
+hundred. Its clock is the simulator's ``"overlap"`` mode, the runtime's: a rank never waits at an
+exchange; a compute starts once the sends of the messages it consumes were posted.
+``tests/test_plan_lockstep.py`` checks it against the builder and the simulator on random DAG
+layouts (colocated modules, fan-in / fan-out, frozen modules, both schedules).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ LOCKSTEP_SCHEDULES = (ScheduleName.ONE_F_ONE_B, ScheduleName.GPIPE)
 
 @dataclass(frozen=True)
 class LockstepTiming:
-    """What one step of a lockstep schedule takes on the simulator's eager clock.
+    """What one step of a lockstep schedule takes on the simulator's overlap clock.
 
     ``finish`` is each rank's last compute end; ``last_backward`` and ``peak_in_flight`` are
     keyed by ``(rank, module)`` for units that train.
@@ -83,6 +85,9 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
     consumers = [sorted({u for u, _ in out_to[v]}) for v in range(n)]
     inputs = [[0] * m for _ in range(n)]
     grads = [[0] * m for _ in range(n)]
+    # when the last send of a unit's inputs / output gradients of microbatch k was posted
+    inputs_at = [[0.0] * m for _ in range(n)]
+    grads_at = [[0.0] * m for _ in range(n)]
     forward_tick = [[0] * m for _ in range(n)]
     next_f = [0] * n
     next_b = [0] * n
@@ -119,8 +124,7 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
         if not computes:
             raise RuntimeError(f"internal error: {schedule.value} stalled at tick {tick} "
                                f"(next forwards {next_f}, next backwards {next_b})")
-        arrivals: list[tuple[list[int], int]] = []
-        senders: dict[int, list[int]] = {}  # receiving rank -> ranks it receives from this tick
+        arrivals: list[tuple[list[int], list[float], int, int]] = []  # (counts, posted at, k, sender)
         for u, is_backward in computes:
             rank = rank_of[u]
             if is_backward:
@@ -129,7 +133,8 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
                 seconds = b_cost[u]
                 held[u] -= 1
                 targets = grad_to[u]
-                counters = grads
+                counters, posted_at = grads, grads_at
+                ready = grads_at[u][k]
             else:
                 k = next_f[u]
                 next_f[u] += 1
@@ -139,23 +144,21 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
                     held[u] += 1
                     peak[u] = max(peak[u], held[u])
                 targets = out_to[u]
-                counters = inputs
-            clock[rank] += seconds
+                counters, posted_at = inputs, inputs_at
+                ready = inputs_at[u][k]
+            clock[rank] = max(clock[rank], ready) + seconds
             busy[rank] += seconds
             finish[rank] = clock[rank]
             if is_backward:
                 last_b[u] = clock[rank]
-            for target, receiver in targets:
-                arrivals.append((counters[target], k))
-                senders.setdefault(receiver, []).append(rank)
+            for target, _receiver in targets:
+                arrivals.append((counters[target], posted_at[target], k, rank))
             remaining -= 1
-        # each exchange is posted when its rank's computes of the tick end; a receive completes
-        # when every exchange sending to it has been posted (sends complete at once: eager)
-        posted = {rank: clock[rank] for ranks in senders.values() for rank in ranks}
-        for receiver, ranks in senders.items():
-            clock[receiver] = max(clock[receiver], max(posted[r] for r in ranks))
-        for counter, k in arrivals:  # delivered for the next tick
+        # each exchange is posted when its rank's computes of the tick end; the receiving rank
+        # goes on, and the compute consuming the message waits for that post (sends complete at once)
+        for counter, posted_at, k, sender in arrivals:  # delivered for the next tick
             counter[k] += 1
+            posted_at[k] = max(posted_at[k], clock[sender])
         tick += 1
     return LockstepTiming(
         step_time=max(clock, default=0.0), busy=tuple(busy), finish=tuple(finish),

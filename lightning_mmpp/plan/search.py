@@ -25,7 +25,7 @@ rank still runs all its chunks' work) and the path bounds drop what holds only u
 in-flight limit.
 
 Scoring: :func:`lightning_mmpp.core.schedule.build_schedule` and
-:func:`lightning_mmpp.core.simulator.simulate` (``mode="eager"``) with the per-stage costs of
+:func:`lightning_mmpp.core.simulator.simulate` (``mode="overlap"``) with the per-stage costs of
 :class:`~lightning_mmpp.plan.costs.CostModel`, on the layout with every dp set to 1 (replicas
 are symmetric, so the timing is the same and the simulation much smaller); then the dp
 gradient sums after each stage's last backward; memory from the microbatches each unit held in
@@ -848,7 +848,7 @@ class _Evaluator:
         space = self.space
         built = planned_schedule(small, m, schedule, cost, space.no_backward)
         try:
-            result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.EAGER, latency=0.0,
+            result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.OVERLAP, latency=0.0,
                               input_cost=cost.input, weight_cost=cost.weight)
         except DeadlockError:
             return None
