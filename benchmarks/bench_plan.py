@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_mmpp.plan import LayerProfile, ModelProfile, ModuleProfile, chain_profile, plan_placements  # noqa: E402
 from lightning_mmpp.plan.calibration import CALIBRATION_LAUNCHES  # noqa: E402
-from benchmarks.common import calibration_at  # noqa: E402
+from benchmarks.common import SpeedProbe, calibration_at  # noqa: E402
 
 MB = 2**20
 GiB = 2**30
@@ -299,27 +299,30 @@ def accuracy_section(world: int, batch_size: int, width: int, steps: int, memory
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     start = time.perf_counter()
-    cal = calibration_at(calibration, world, launches=launches)
-    print(f"\naccuracy: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; {load}")
-    print(cal.describe())
-    batch = torch.randn(batch_size, width)
-    runs, rows = [], []
-    # the memory-limited cases: 4 KiB more parameters per layer (16 KiB with AdamW's state); under
-    # 80 KiB the best uniform plan must shard the LM (its unsharded layouts do not fit)
-    cases = [(name, None, 0) for name in ACCURACY_MODELS] + [("3-module DAG", limit, 1024) for limit in memory_limits]
-    for name, limit, state_floats in cases:
-        spec, topology = ACCURACY_MODELS[name]
-        make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
-        profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
-        for kind, uniform in (("top", False), ("uniform", True)):
-            plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
-            runs.append((make, batch, plan))
-            label = name if limit is None else f"{name} + 4 KiB/layer, memory limit {limit / 1024:.0f} KiB"
-            rows.append((label, kind, plan))
-    measured = measure_runs(runs, steps, launches=launches)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    print(f"\n{world} ranks, global batch {batch_size}, median of {steps} steps x {launches} launches through "
-          f"Trainer.fit; {load}")
+    with SpeedProbe() as probe:
+        cal = calibration_at(calibration, world, launches=launches)
+        print(f"\naccuracy: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; {load}; "
+              f"{probe.window()}")
+        print(cal.describe())
+        batch = torch.randn(batch_size, width)
+        runs, rows = [], []
+        # the memory-limited cases: 4 KiB more parameters per layer (16 KiB with AdamW's state); under
+        # 80 KiB the best uniform plan must shard the LM (its unsharded layouts do not fit)
+        cases = [(name, None, 0) for name in ACCURACY_MODELS] + [("3-module DAG", limit, 1024) for limit in memory_limits]
+        for name, limit, state_floats in cases:
+            spec, topology = ACCURACY_MODELS[name]
+            make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
+            profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
+            for kind, uniform in (("top", False), ("uniform", True)):
+                plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
+                runs.append((make, batch, plan))
+                label = name if limit is None else f"{name} + 4 KiB/layer, memory limit {limit / 1024:.0f} KiB"
+                rows.append((label, kind, plan))
+        probe.window()  # the profiles
+        measured = measure_runs(runs, steps, launches=launches)
+        load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        print(f"\n{world} ranks, global batch {batch_size}, median of {steps} steps x {launches} launches through "
+              f"Trainer.fit; {load}; {probe.window()}")
     print("| model | plan | predicted ms | measured ms | measured/predicted | layout |")
     print("|---|---|---|---|---|---|")
     for (label, kind, plan), seconds in zip(rows, measured):
@@ -379,37 +382,39 @@ def held_out_section(world: int, seed: int, models: int, steps: int, launches: i
     from lightning_mmpp.plan.launch import rank_threads
     from lightning_mmpp.plan.validate import measure_steps
 
-    rng = random.Random(seed)
-    start = time.perf_counter()
-    cal = calibration_at(calibration, world, launches=launches)
-    print(f"\nheld-out: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; "
-          f"load {os.getloadavg()[0]:.2f}")
-    print(cal.describe())
-    runs, rows = [], []
-    for index in range(models):
-        spec, topology, width, state_floats, batch_size, limited = held_out_case(rng)
-        make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
-        batch = torch.randn(batch_size, width)
-        profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
-        limit = None
-        if limited:
-            limit = 0.6 * plan_placements(profile, world, top_k=1)[0].max_memory_bytes
-        label = (f"{index}: " + ", ".join(f"{name} {n}x({tf * 1e6:.0f}+{f0 * 1e3:.2f}ms)" for name, (n, tf, _, f0, _)
-                                            in spec.items())
-                 + f"; width {width}, +{state_floats} floats/layer, batch {batch_size}"
-                 + (f", limit {limit / 1024:.0f} KiB" if limit else ""))
-        print(label, "->", topology)
-        for kind, uniform in (("top", False), ("uniform", True)):
-            try:
-                plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
-            except PipelineConfigError as error:
-                print(f"  {kind}: no plan ({error})")
-                continue
-            runs.append((make, batch, plan))
-            rows.append((index, kind, plan))
-    measured = measure_steps(runs, steps, launches=launches)
-    print(f"\n{world} ranks, seed {seed}, median of {steps} steps x {launches} launches through Trainer.fit; "
-          f"load {os.getloadavg()[0]:.2f}")
+    with SpeedProbe() as probe:
+        rng = random.Random(seed)
+        start = time.perf_counter()
+        cal = calibration_at(calibration, world, launches=launches)
+        print(f"\nheld-out: calibrate({world}, launches={launches}) took {time.perf_counter() - start:.1f} s; "
+              f"load {os.getloadavg()[0]:.2f}; {probe.window()}")
+        print(cal.describe())
+        runs, rows = [], []
+        for index in range(models):
+            spec, topology, width, state_floats, batch_size, limited = held_out_case(rng)
+            make = functools.partial(_row_sleep_model, spec, topology, width, state_floats)
+            batch = torch.randn(batch_size, width)
+            profile = profile_model(make(), batch, calibration=cal, num_threads=rank_threads(world))
+            limit = None
+            if limited:
+                limit = 0.6 * plan_placements(profile, world, top_k=1)[0].max_memory_bytes
+            label = (f"{index}: " + ", ".join(f"{name} {n}x({tf * 1e6:.0f}+{f0 * 1e3:.2f}ms)" for name, (n, tf, _, f0, _)
+                                                in spec.items())
+                     + f"; width {width}, +{state_floats} floats/layer, batch {batch_size}"
+                     + (f", limit {limit / 1024:.0f} KiB" if limit else ""))
+            print(label, "->", topology)
+            for kind, uniform in (("top", False), ("uniform", True)):
+                try:
+                    plan = plan_placements(profile, world, memory_limit_bytes=limit, top_k=1, uniform=uniform)[0]
+                except PipelineConfigError as error:
+                    print(f"  {kind}: no plan ({error})")
+                    continue
+                runs.append((make, batch, plan))
+                rows.append((index, kind, plan))
+        probe.window()  # the profiles
+        measured = measure_steps(runs, steps, launches=launches)
+        print(f"\n{world} ranks, seed {seed}, median of {steps} steps x {launches} launches through Trainer.fit; "
+              f"load {os.getloadavg()[0]:.2f}; {probe.window()}")
     print("| model | plan | predicted ms | measured ms (p10) | measured/predicted | layout |")
     print("|---|---|---|---|---|---|")
     for (index, kind, plan), step in zip(rows, measured):

@@ -360,3 +360,64 @@ def calibration_at(path: Optional[str], world_size: int, **options: Any) -> Any:
     if path:
         calibration.to_json(path)
     return calibration
+
+
+# what the speed probe times: a fixed pure-Python loop (about 2 ms at this VM's full speed), the
+# fastest of 5 runs back to back
+_PROBE_CODE = """
+import sys, time
+def loop():
+    start, total = time.perf_counter(), 0
+    for i in range(100_000):
+        total += i
+    return time.perf_counter() - start
+while True:
+    print(min(loop() for _ in range(5)), flush=True)  # the first runs after a sleep run slow (a core waking)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+class SpeedProbe:
+    """How fast this machine runs short bursts of work, sampled beside a benchmark: a separate
+    process wakes every ``interval`` seconds and times the same pure-Python loop (the fastest of 5
+    runs back to back, about 10 ms of work: under 2% of a core). On the 2-core VM the burst ran
+    at full speed or at half speed (1.8 vs 3.4 ms), the slow one most of the time on some days;
+    work run without pause (``machine_drift.py``) stays near full speed. A pipeline rank's work is
+    such bursts between waits. :meth:`window` says how a stretch of the benchmark ran, so a
+    prediction measured against a step can be read beside it. Use as a context manager."""
+
+    SLOW = 1.3  # a sample slower than this many times the fastest one counts as slow
+
+    def __init__(self, interval: float = 0.5) -> None:
+        import subprocess
+
+        self._process = subprocess.Popen([sys.executable, "-c", _PROBE_CODE, str(interval)],
+                                         stdout=subprocess.PIPE, text=True)
+        os.set_blocking(self._process.stdout.fileno(), False)
+        self._samples: list[float] = []
+        self._since = 0
+
+    def _read(self) -> None:
+        while True:
+            line = self._process.stdout.readline()
+            if not line:
+                return
+            self._samples.append(float(line))
+
+    def window(self) -> str:
+        """The samples since the last call, against the fastest sample so far, in words."""
+        self._read()
+        fresh, self._since = self._samples[self._since:], len(self._samples)
+        if not fresh:
+            return "burst speed: no samples"
+        fastest = min(self._samples)
+        slow = sum(1 for t in fresh if t > self.SLOW * fastest)
+        return (f"burst speed: {len(fresh)} probes, median {statistics.median(fresh) / fastest:.2f}x the fastest "
+                f"({fastest * 1e3:.2f} ms), {slow / len(fresh):.0%} over {self.SLOW}x")
+
+    def __enter__(self) -> "SpeedProbe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._process.kill()
+        self._process.wait()
