@@ -3,6 +3,7 @@
     python benchmarks/profile_example_step.py --calibration cal.json            # 2 ranks, top 2 plans
     python benchmarks/profile_example_step.py --world-size 4 --top-k 1 --launches 3
     python benchmarks/profile_example_step.py --model path/to/script.py:ModelClass --batch-size 64
+    python benchmarks/profile_example_step.py --world-size 4 --top-k 1 --timeline  # when each action ran
 
 The model is ``--model`` (``script.py:ModelClass``, found and given a sample batch as ``python -m
 lightning_mmpp.plan`` does; default ``examples/train_multimodal.py:VisionAudioLM``) on a batch of
@@ -67,11 +68,13 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
     marks: list[dict[str, float]] = []
     now: dict[str, float] = {}
     computes: dict[str, list[float]] = {}  # "module phase" -> seconds of each compute action (its waits included)
+    timeline: list[list[tuple[str, float, float]]] = []  # per step: (action, start, end) from the step's start
 
     class Marks(L.Callback):
         def on_train_batch_start(self, *args: Any) -> None:
             dist.barrier()
             now.clear()
+            timeline.append([])
             now["start"] = time.perf_counter()
             now["cpu"] = time.thread_time()
 
@@ -113,8 +116,10 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
         def timed_compute(step: Any, prepared: Any) -> None:
             start = time.perf_counter()
             compute(step, prepared)
+            end = time.perf_counter()
             action = prepared.action
-            computes.setdefault(f"{action.module} {action.phase.name.lower()}", []).append(time.perf_counter() - start)
+            computes.setdefault(f"{action.module} {action.phase.name.lower()}", []).append(end - start)
+            timeline[-1].append((str(action), start - now["start"], end - now["start"]))
 
         runtime._compute = timed_compute
 
@@ -133,9 +138,13 @@ def _worker(rank: int, world: int, model_class: Any, placements: dict, topology:
         "main thread CPU": [m_["cpu"] for m_ in timed_marks],
     }
     slowest = quantiles([m_["slowest"] for m_ in timed_marks], QUANTILES)
+    steps_kept = timeline[warmup:]
+    actions = [(name, statistics.median(t[i][1] for t in steps_kept), statistics.median(t[i][2] for t in steps_kept))
+               for i, (name, _, _) in enumerate(steps_kept[0])]
     return {"parts": {k: quantiles(v, QUANTILES) for k, v in parts.items()},
             "slowest": slowest[1], "slowest_p10": slowest[0],
-            "computes": {k: statistics.median(v[warmup:]) for k, v in computes.items()}}
+            "computes": {k: statistics.median(v[warmup:]) for k, v in computes.items()},
+            "timeline": actions}
 
 
 def main() -> None:
@@ -151,6 +160,8 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=2)
     parser.add_argument("--memory-limit", type=float, help="bytes per rank the plans must fit (default: none)")
     parser.add_argument("--uniform", action="store_true", help="the best uniform plans (every module the same dp)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="per rank, each action's median start-end in the step beside the planner's simulated one")
     args = parser.parse_args()
     model_class, batch, topology = load_target(args.model, args.batch_size)
     cal = calibration_at(args.calibration, args.world_size)
@@ -189,6 +200,27 @@ def main() -> None:
             for name in sorted(launches[0][rank]["computes"]):
                 got = statistics.median(l[rank]["computes"][name] for l in launches)
                 print(f"   rank {rank} {name:22s} {got * 1e3:6.3f} ms per action (its wait for inputs included)")
+        if args.timeline:
+            _print_timeline(profile, plan, cost, launches[0])
+
+
+def _print_timeline(profile: Any, plan: Any, cost: CostModel, ranks: list[dict[str, Any]]) -> None:
+    """Each rank's actions, start-end in ms from the step's start (the median over the first
+    launch's steps, the wait for inputs included), beside the simulator's overlap clock for the
+    plan (its compute actions only: the per-step cost, the sums and the optimizer come after)."""
+    from lightning_mmpp.core.simulator import simulate
+    from lightning_mmpp.plan.sharing import planned_schedule
+
+    built = planned_schedule(plan.layout(), plan.num_microbatches, plan.schedule, cost, cost.no_backward)
+    result = simulate(built, plan.layout(), cost.forward, cost.backward, mode="overlap", input_cost=cost.input,
+                      weight_cost=cost.weight)
+    simulated: dict[int, list[str]] = {}
+    for rank, start, end, action in sorted(result.computes, key=lambda c: c[1]):
+        simulated.setdefault(rank, []).append(f"{action} {start * 1e3:.1f}-{end * 1e3:.1f}")
+    for rank, worker in enumerate(ranks):
+        real = [f"{name} {start * 1e3:.1f}-{end * 1e3:.1f}" for name, start, end in worker["timeline"]]
+        print(f"   rank {rank} real:      " + "; ".join(real))
+        print(f"   rank {rank} simulated: " + "; ".join(simulated.get(rank, [])))
 
 
 if __name__ == "__main__":
