@@ -380,7 +380,7 @@ while True:
 class SpeedProbe:
     """How fast this machine runs short bursts of work, sampled beside a benchmark: a separate
     process wakes every ``interval`` seconds and times the same pure-Python loop (the fastest of 5
-    runs back to back, about 10 ms of work: under 2% of a core). On the 2-core VM the burst ran
+    runs back to back: 10-17 ms of work every half second, 2-3% of a core). On the 2-core VM the burst ran
     at full speed or at half speed (1.8 vs 3.4 ms), the slow one most of the time on some days;
     work run without pause (``machine_drift.py``) stays near full speed. A pipeline rank's work is
     such bursts between waits. :meth:`window` says how a stretch of the benchmark ran, so a
@@ -395,6 +395,7 @@ class SpeedProbe:
                                          stdout=subprocess.PIPE, text=True)
         os.set_blocking(self._process.stdout.fileno(), False)
         self._samples: list[float] = []
+        self._partial = ""
         self._since = 0
 
     def _read(self) -> None:
@@ -402,7 +403,10 @@ class SpeedProbe:
             line = self._process.stdout.readline()
             if not line:
                 return
-            self._samples.append(float(line))
+            self._partial += line
+            if self._partial.endswith("\n"):  # a line the probe is still writing waits for the rest
+                self._samples.append(float(self._partial))
+                self._partial = ""
 
     def window(self) -> str:
         """The samples since the last call, against the fastest sample so far, in words."""

@@ -19,8 +19,9 @@ Besides each rank's action list, a rank runs two more kinds of work:
   every rank's action list has ended (the step's metrics sum joins them all before it).
 
 Exchanges as in the simulator's ``"overlap"`` mode (the runtime's): a rank posts an exchange and
-goes on; a compute starts once every send whose message it consumes has been posted. Hand-written (not a general discrete-event library) because the rule is one line and
-the planner runs it on a handful of plans per search.
+goes on; a compute starts once every send whose message it consumes has been posted.
+Hand-written (not a general discrete-event library) because the rule is one line and the
+planner runs it on a handful of plans per search.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Pure Python (no torch). :func:`validate_schedule` proves that a schedule (built, or loaded from
 a hand-edited file) computes what the layout needs, in dependency order, and cannot deadlock.
 :func:`simulate` runs it and reports the step time, the bubble and the peak stash, from costs
-per phase and per ``(module, stage)``. Two ways of completing an
+per phase and per ``(module, stage)``. Three ways of completing an
 :class:`~lightning_mmpp.core.actions.Exchange`:
 
 * ``"rendezvous"`` (the strict check): an exchange completes when every partner exchange
@@ -300,14 +300,13 @@ def simulate(
                     clock[rank] += seconds
                     busy[rank] += seconds
                     stash.count(rank, action)
-                elif overlap:
-                    posted_at[(rank, i)] = clock[rank]
                 else:
                     posted_at[(rank, i)] = clock[rank]
-                    ready = exchange_ready(rank, i)
-                    if ready is None:
-                        break
-                    clock[rank] = ready + (latency if action.recvs else 0.0)
+                    if not overlap:  # overlap: the rank goes on; its consumers wait (above)
+                        ready = exchange_ready(rank, i)
+                        if ready is None:
+                            break
+                        clock[rank] = ready + (latency if action.recvs else 0.0)
                 pc[rank] += 1
                 done += 1
                 progressed = True
