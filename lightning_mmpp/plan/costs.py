@@ -563,12 +563,13 @@ class CostModel:
             return self._message_seconds(module, stage - 1, samples, 1) + \
                 self._relay_seconds(module, module, stage - 1, samples)
         dp = self.placements[module].dp
-        return self._together([
-            (self._message_seconds(up, self.placements[up].num_stages - 1, samples, senders)
-             + self._relay_seconds(module, up, self.placements[up].num_stages - 1, samples), senders)
-            for up, downs in self.profile.topology.items() if module in downs and not self._in_process(up, module)
-            for senders in [max(1, self.placements[up].dp // dp)]
-        ])
+        parts = []
+        for up, downs in self.profile.topology.items():
+            if module in downs and not self._in_process(up, module):
+                last, senders = self.placements[up].num_stages - 1, max(1, self.placements[up].dp // dp)
+                parts.append((self._message_seconds(up, last, samples, senders)
+                              + self._relay_seconds(module, up, last, samples), senders))
+        return self._together(parts)
 
     def _together(self, parts: Sequence[tuple[float, int]]) -> float:
         """Seconds of an action's receives, ``(seconds, messages)`` per peer module: they are
@@ -591,13 +592,13 @@ class CostModel:
             return 0.0
         if stage < placement.num_stages - 1:
             return self._message_seconds(module, stage, samples, 1) + self._relay_seconds(module, module, stage, samples)
-        return self._together([
-            (self._message_seconds(module, stage, samples, senders) + self._relay_seconds(module, module, stage, samples),
-             senders)
-            for down in self.profile.topology[module]
-            if down not in self.no_backward and not self._in_process(module, down)
-            for senders in [max(1, self.placements[down].dp // placement.dp)]
-        ])
+        parts = []
+        for down in self.profile.topology[module]:
+            if down not in self.no_backward and not self._in_process(module, down):
+                senders = max(1, self.placements[down].dp // placement.dp)
+                parts.append((self._message_seconds(module, stage, samples, senders)
+                              + self._relay_seconds(module, module, stage, samples), senders))
+        return self._together(parts)
 
     def _stage(self, module: str, stage: int) -> StageCost:
         profile = self.profile

@@ -78,11 +78,11 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
     need_grad = [len(layout.forward_targets(s)) for s in slots]
     f_cost = [forward(s.module, s.stage) for s in slots]
     b_cost = [backward(s.module, s.stage) if trains[u] else 0.0 for u, s in enumerate(slots)]
-    # (receiving unit, receiving rank) of each forward output and of each input gradient
-    out_to = [[(index[(peer.rank, dst)], peer.rank) for dst, peer in layout.forward_targets(s)] for s in slots]
-    grad_to = [[(index[(peer.rank, src)], peer.rank) for src, peer in layout.forward_sources(s)
-                if src not in no_backward] for s in slots]
-    consumers = [sorted({u for u, _ in out_to[v]}) for v in range(n)]
+    # the receiving unit of each forward output and of each input gradient
+    out_to = [[index[(peer.rank, dst)] for dst, peer in layout.forward_targets(s)] for s in slots]
+    grad_to = [[index[(peer.rank, src)] for src, peer in layout.forward_sources(s) if src not in no_backward]
+               for s in slots]
+    consumers = [sorted(set(out_to[v])) for v in range(n)]
     inputs = [[0] * m for _ in range(n)]
     grads = [[0] * m for _ in range(n)]
     # when the last send of a unit's inputs / output gradients of microbatch k was posted
@@ -151,7 +151,7 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
             finish[rank] = clock[rank]
             if is_backward:
                 last_b[u] = clock[rank]
-            for target, _receiver in targets:
+            for target in targets:
                 arrivals.append((counters[target], posted_at[target], k, rank))
             remaining -= 1
         # each exchange is posted when its rank's computes of the tick end; the receiving rank
