@@ -90,6 +90,49 @@ def test_ranks_computing_at_once_share_the_cores_syncs_run_beside_and_the_optimi
                         ranks_per_host=4)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zero_bubble"])
+def test_a_blocking_sync_delays_the_gradients_its_piece_sends_a_trailing_one_does_not(name):
+    """A sharded stage on gloo reduce-scatters inside its last gradient piece: under 1F1B and
+    GPipe (a fused B) the encoders' last backwards wait for it; under zero_bubble the piece is
+    the last W, and the gradients went upstream with the I before it. The same sum run beside
+    the rank's later actions (an unsharded stage's all-reduce) delays nothing upstream. The
+    shared clock with a core per rank agrees with the simulator."""
+    layout = _dag()  # a, b -> c (pp 2): c's first stage sends the encoders their gradients
+    schedule = build_schedule(layout, 4, name)
+    c0 = layout.rank_of("c", 0, 0)
+
+    def forward(module, stage):
+        return {"a": 1.0, "b": 1.5, "c": 2.0}[module]
+
+    def backward(module, stage):
+        return 2 * forward(module, stage)
+
+    def blocking(module, stage):
+        return 3.0 if (module, stage) == ("c", 0) else 0.0
+
+    def a_done(result):
+        return max(end for _, _, end, action in result.computes if action.module == "a")
+
+    plain = simulate(schedule, layout, forward, backward, mode="overlap")
+    inside = simulate(schedule, layout, forward, backward, mode="overlap", blocking_sync_cost=blocking)
+    pieces = [(start, end) for rank, start, end, action in inside.computes if rank == c0]
+    assert pieces[-1][1] - pieces[-1][0] == pytest.approx(3.0 + (2.0 if name == "zero_bubble" else 4.0))
+    if name == "zero_bubble":
+        assert a_done(inside) == pytest.approx(a_done(plain))
+        return
+    assert a_done(inside) == pytest.approx(a_done(plain) + 3.0)
+    assert inside.step_time == pytest.approx(plain.step_time + 3.0)
+
+    def work(rank, action, stage):
+        seconds = forward(action.module, stage) if action.phase is Phase.FORWARD else backward(action.module, stage)
+        return Work(0.0, seconds)
+
+    shared = simulate_shared(schedule, layout, work, cores=4, ranks_per_host=4, blocking_syncs={(c0, "c"): Work(0.0, 3.0)})
+    assert shared.step_time == pytest.approx(inside.step_time)
+    trailing = simulate_shared(schedule, layout, work, cores=4, ranks_per_host=4, syncs={(c0, "c"): Work(0.0, 3.0)})
+    assert trailing.step_time == pytest.approx(plain.step_time)
+
+
 def test_a_rank_steps_its_optimizer_only_after_every_rank_ended_its_pipeline():
     """The step's metrics sum joins every rank before Lightning steps the optimizer: a rank whose
     actions end early (the sink, its gradients sent) starts its final piece at the last rank's end."""

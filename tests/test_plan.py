@@ -857,6 +857,15 @@ def test_calibrated_cost_model_charges_actions_messages_fsdp_and_the_optimizer()
     message = cal.message_seconds(4 * MB / 8 * 4, 1)
     assert v1.forward_s == pytest.approx(compute_f + cal.action_s + gather + message)
     assert v1.sync_s == pytest.approx(cal.scatter_seconds(3 * 50 * MB, 2, 3))
+    # on a CPU device (gloo) the reduce-scatters run inside the last backward, before its
+    # gradients go upstream; on an accelerator beside the later actions, as an all-reduce does
+    assert profile.device == "cpu" and v1.sync_in_backward and v1.blocking_sync_s == v1.sync_s
+    assert v1.trailing_sync_s == 0.0 and calibrated.blocking_sync("vision", 1) == v1.sync_s
+    assert not calibrated.stage("llm", 0).sync_in_backward and calibrated.stage("llm", 0).trailing_sync_s > 0
+    on_gpu = replace_calibration(profile, cal)
+    on_gpu.device = "cuda"
+    gpu_v1 = CostModel(on_gpu, placements, 4).stage("vision", 1)
+    assert not gpu_v1.sync_in_backward and gpu_v1.trailing_sync_s == v1.sync_s
     # its optimizer steps its shard, and each of its parameters (2 per layer) is a DTensor
     assert v1.optimizer_s == pytest.approx(cal.optimizer_s_per_byte * 3 * 50 * MB / 2 + cal.sharded_tensor_s * 3 * 2)
     # under zero_bubble W is an action and an autograd call of its own: it gathers the layers again

@@ -15,6 +15,8 @@ Besides each rank's action list, a rank runs two more kinds of work:
 * **gradient syncs**, one queue per rank: the sync of ``(rank, module)`` starts once that
   module's last backward piece on the rank is done and the previous sync in the queue is over,
   and runs beside the rank's remaining actions (a collective posted while the pipeline drains);
+  a **blocking sync** instead runs inside that last piece, before the piece counts as done and
+  its messages as sent (FSDP2's reduce-scatters on gloo, issued from the backward's hooks);
 * a **final** piece (the optimizer step) once the rank's actions and syncs are all done and
   every rank's action list has ended (the step's metrics sum joins them all before it).
 
@@ -30,9 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_mmpp.core.actions import Compute, Exchange, Phase, Schedule
+from lightning_mmpp.core.actions import Compute, Exchange, Schedule
 from lightning_mmpp.core.placement import PipelineLayout
-from lightning_mmpp.core.simulator import DeadlockError, exchange_partners, receive_waits
+from lightning_mmpp.core.simulator import DeadlockError, exchange_partners, last_gradient_pieces, receive_waits
 
 __all__ = ["SharedTiming", "Work", "simulate_shared"]
 
@@ -89,6 +91,7 @@ def simulate_shared(
     ranks_per_host: int,
     syncs: Optional[Mapping[tuple[int, str], Work]] = None,
     finals: Optional[Mapping[int, Work]] = None,
+    blocking_syncs: Optional[Mapping[tuple[int, str], Work]] = None,
 ) -> SharedTiming:
     """Run ``schedule`` on a shared clock (see the module docstring).
 
@@ -101,6 +104,8 @@ def simulate_shared(
         syncs: ``(rank, module) -> Work``: the module's gradient sync on that rank (absent: none).
         finals: ``rank -> Work`` run once the rank's actions and syncs are done and every
             rank's actions have ended (absent: none).
+        blocking_syncs: ``(rank, module) -> Work`` run inside the rank's last gradient piece of
+            the module, after its own work (absent: none).
 
     Raises:
         DeadlockError: the action lists cannot all complete.
@@ -110,15 +115,12 @@ def simulate_shared(
         raise ValueError(f"simulate_shared needs cores > 0 and ranks_per_host >= 1, got {cores}, {ranks_per_host}")
     syncs = syncs or {}
     finals = finals or {}
+    blocking_syncs = blocking_syncs or {}
     world = schedule.world_size
     actions = schedule.actions
     partner = exchange_partners(schedule)
     consumed = receive_waits(schedule, partner)
-    last_backward: dict[tuple[int, str], int] = {}  # (rank, module) -> index of its last backward piece
-    for rank, acts in enumerate(actions):
-        for i, action in enumerate(acts):
-            if isinstance(action, Compute) and action.phase is not Phase.FORWARD:
-                last_backward[(rank, action.module)] = i
+    last_backward = last_gradient_pieces(schedule)  # (rank, module) -> index of its last B or W
     ranks = [_Rank(syncs_left=sum(1 for (r, _m) in syncs if r == rank)) for rank in range(world)]
     posted: set[tuple[int, int]] = set()
     running: list[_Running] = []
@@ -183,7 +185,12 @@ def simulate_shared(
                     st.sync_queue.append(syncs[(rank, action.module)])
                     sync_lane(rank)
 
-            start(rank, work(rank, action, slot.stage), computed)
+            key = (rank, action.module)
+            if last_backward.get(key) == i and key in blocking_syncs:
+                start(rank, work(rank, action, slot.stage),
+                      lambda t, key=key, done=computed: start(key[0], blocking_syncs[key], done))
+            else:
+                start(rank, work(rank, action, slot.stage), computed)
             return True
         if not state.busy and state.actions_end is None and state.pc == len(actions[rank]):
             state.actions_end = now

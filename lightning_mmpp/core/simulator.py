@@ -25,6 +25,11 @@ gets the stage index (``0 .. pp * v - 1``) and returns that stage's own cost. ``
 ``W`` default to half the fused cost. A ``W`` without an ``I`` (a stage whose inputs need no
 gradient) is that stage's whole backward and costs ``backward_cost``, as the fused ``B`` of
 1F1B does, so the schedules are compared on the same work.
+
+``blocking_sync_cost`` (a function ``(module, stage) -> seconds``): work that runs inside a
+rank's last gradient piece of a module in the step (its last ``B`` or ``W``, over all its
+chunks), before that piece's messages can be sent: a gradient sum issued from the backward
+that blocks it (FSDP2's reduce-scatters on gloo, :func:`last_gradient_pieces`).
 """
 
 from __future__ import annotations
@@ -155,6 +160,32 @@ def receive_waits(schedule: Schedule,
     return waits
 
 
+def last_gradient_pieces(schedule: Schedule) -> dict[tuple[int, str], int]:
+    """``(rank, module) -> index`` of the rank's last ``B`` or ``W`` of the module in the step
+    (over all its chunks): the action after which the runtime starts the module's gradient sum,
+    and in which a sharded stage reduce-scatters its gradients."""
+    last: dict[tuple[int, str], int] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for i, action in enumerate(actions):
+            if isinstance(action, Compute) and action.phase in (Phase.BACKWARD, Phase.BACKWARD_WEIGHT):
+                last[(rank, action.module)] = i
+    return last
+
+
+def blocking_sync_seconds(schedule: Schedule, layout: PipelineLayout,
+                          cost: Optional[CostFn]) -> dict[tuple[int, int], float]:
+    """``(rank, action index) -> seconds`` that ``cost`` adds to each last gradient piece
+    (:func:`last_gradient_pieces`): the sum of ``cost`` over the module's chunks on the rank."""
+    if cost is None:
+        return {}
+    extra = {}
+    for (rank, module), i in last_gradient_pieces(schedule).items():
+        seconds = sum(cost(module, slot.stage) for slot in layout.chunk_slots(rank, module))
+        if seconds:
+            extra[(rank, i)] = seconds
+    return extra
+
+
 class PhaseSeconds:
     """Seconds of each compute of a schedule: ``F``, a fused ``B``, ``I``, ``W`` per ``(module,
     stage)``; a ``W`` without an ``I`` before it (a lone W) is the whole backward and costs a ``B``."""
@@ -245,6 +276,7 @@ def simulate(
     input_cost: Optional[CostFn | float] = None,
     weight_cost: Optional[CostFn | float] = None,
     weight_stash: float = 1.0,
+    blocking_sync_cost: Optional[CostFn] = None,
 ) -> SimulationResult:
     """Execute ``schedule`` on a virtual clock; raise :class:`DeadlockError` if it cannot finish.
 
@@ -256,6 +288,7 @@ def simulate(
     rendezvous = mode is SimulatorMode.RENDEZVOUS
     overlap = mode is SimulatorMode.OVERLAP
     costs = PhaseSeconds(schedule, layout, forward_cost, backward_cost, input_cost, weight_cost)
+    blocking = blocking_sync_seconds(schedule, layout, blocking_sync_cost)
     stash = _StashCounter(schedule, layout, costs.with_input_half, weight_stash)
     world = layout.world_size
     actions = schedule.actions
@@ -295,7 +328,7 @@ def simulate(
                             break
                         if senders:  # a message lands ``latency`` after its send was posted
                             clock[rank] = max(clock[rank], max(posted_at[other] for other in senders) + latency)
-                    seconds = costs.seconds(rank, action, slot.stage)
+                    seconds = costs.seconds(rank, action, slot.stage) + blocking.get((rank, i), 0.0)
                     computes.append((rank, clock[rank], clock[rank] + seconds, action))
                     clock[rank] += seconds
                     busy[rank] += seconds

@@ -25,8 +25,10 @@ the microbatch count and the global batch) to what the simulator and the memory 
   stays in the process and costs nothing;
 * the dp gradient sum after a stage's last backward: a ring all-reduce, ``2 (dp-1)/dp * bytes
   / bandwidth`` plus ``2 (dp-1) latency`` per 25 MiB bucket (a reduce-scatter, half that, per
-  layer, when sharded); the step ends with the loss and metrics all-reduced over every rank
-  (:func:`metrics_seconds`);
+  layer, when sharded); it runs beside the rank's later actions, except a sharded stage's on a
+  CPU device, whose reduce-scatters gloo runs inside the last backward, before the gradients it
+  sends upstream (:attr:`StageCost.sync_in_backward`); the step ends with the loss and metrics
+  all-reduced over every rank (:func:`metrics_seconds`);
 * tensor parallelism (``ModulePlacement.tp = t > 1``): a layer the model's hook splits
   (``LayerProfile.tp_allreduces > 0``) runs its per-sample part on ``1/t`` of the work (its
   fixed part per call does not shrink), holds ``1/t`` of its parameters, gradients and
@@ -257,7 +259,9 @@ class ModelProfile:
         latency_s: fixed cost per message (and per collective).
         state_bytes_per_param_byte: parameter + gradient + optimizer bytes per parameter byte
             (4.0: fp32 parameters with Adam, 16 B per parameter).
-        device: where the profile was measured (informational).
+        device: where the profile was measured: on a CPU device (``"cpu..."``) a sharded
+            stage's gradient reduce-scatters are charged inside its last backward (gloo runs
+            them there), elsewhere beside the rank's later actions (they queue on their own stream).
         calibration: this machine's measured framework, link and collective costs
             (:func:`lightning_mmpp.plan.calibrate`); when given, the cost model charges them
             instead of ``bandwidth_bytes_per_s`` / ``latency_s`` alone (see
@@ -449,6 +453,21 @@ class StageCost:
     # step's close (the pack runs after the stage's last backward, which delays the rank's later
     # actions and the sum by as much as it delays the close)
     gradient_copy_s: float = 0.0
+    # the sum runs inside the stage's last backward piece of the step instead of after it: a
+    # sharded stage on a CPU device (FSDP2 reduce-scatters each layer from its post-backward
+    # hook, and gloo runs the collective before the hook returns), so the gradients the piece
+    # sends upstream wait for it
+    sync_in_backward: bool = False
+
+    @property
+    def blocking_sync_s(self) -> float:
+        """The part of :attr:`sync_s` run inside the last backward piece."""
+        return self.sync_s if self.sync_in_backward else 0.0
+
+    @property
+    def trailing_sync_s(self) -> float:
+        """The part of :attr:`sync_s` run after the last backward piece, beside later actions."""
+        return 0.0 if self.sync_in_backward else self.sync_s
 
     @property
     def closing_s(self) -> float:
@@ -705,8 +724,9 @@ class CostModel:
             transient = 0.0
         if loss is not None and trains:  # what the loss saves for its backward, held until then
             activation += loss.activation_bytes_per_sample * samples
+        blocking = trains and placement.shard and dp > 1 and profile.device.startswith("cpu")
         return StageCost(forward, backward, input_half, weight_half, sync, static, activation, transient, optimizer,
-                         forward_wait, backward_wait, input_wait, weight_wait, copy)
+                         forward_wait, backward_wait, input_wait, weight_wait, copy, blocking)
 
     def stage(self, module: str, stage: int) -> StageCost:
         """The costs of ``(module, stage)``."""
@@ -724,6 +744,9 @@ class CostModel:
 
     def weight(self, module: str, stage: int) -> float:
         return self._stages[(module, stage)].weight_s
+
+    def blocking_sync(self, module: str, stage: int) -> float:
+        return self._stages[(module, stage)].blocking_sync_s
 
     def inflight_bound(self, layout: PipelineLayout, module: str, stage: int, schedule: ScheduleName) -> int:
         """Microbatches ``(module, stage)`` holds at most under ``schedule`` (1F1B: ``depth - index``,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_mmpp.core.kinds import ScheduleName
 from lightning_mmpp.core.placement import PipelineLayout
@@ -46,10 +47,14 @@ class LockstepTiming:
 
 
 def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forward: CostFn, backward: CostFn,
-                  no_backward: frozenset[str] = frozenset()) -> LockstepTiming:
+                  no_backward: frozenset[str] = frozenset(),
+                  blocking_sync: Optional[CostFn] = None) -> LockstepTiming:
     """Time one training step of ``schedule`` (``"1f1b"`` or ``"gpipe"``) on ``layout`` with
     ``m`` microbatches; ``forward`` / ``backward`` give the seconds of one microbatch's forward /
-    fused backward of ``(module, stage)``. The layout must not have virtual stages."""
+    fused backward of ``(module, stage)``; ``blocking_sync`` what a unit's last backward (of
+    microbatch ``m - 1``: both schedules run a unit's backwards in order) does more, before its
+    gradients are sent (``simulate``'s ``blocking_sync_cost``). The layout must not have
+    virtual stages."""
     if schedule not in LOCKSTEP_SCHEDULES:
         raise ValueError(f"time_lockstep times {[s.value for s in LOCKSTEP_SCHEDULES]}, not {schedule!r}")
     if layout.virtual:
@@ -78,6 +83,8 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
     need_grad = [len(layout.forward_targets(s)) for s in slots]
     f_cost = [forward(s.module, s.stage) for s in slots]
     b_cost = [backward(s.module, s.stage) if trains[u] else 0.0 for u, s in enumerate(slots)]
+    b_last = [b_cost[u] + (blocking_sync(s.module, s.stage) if blocking_sync is not None and trains[u] else 0.0)
+              for u, s in enumerate(slots)]
     # the receiving unit of each forward output and of each input gradient
     out_to = [[index[(peer.rank, dst)] for dst, peer in layout.forward_targets(s)] for s in slots]
     grad_to = [[index[(peer.rank, src)] for src, peer in layout.forward_sources(s) if src not in no_backward]
@@ -130,7 +137,7 @@ def time_lockstep(layout: PipelineLayout, m: int, schedule: ScheduleName, forwar
             if is_backward:
                 k = next_b[u]
                 next_b[u] += 1
-                seconds = b_cost[u]
+                seconds = b_last[u] if k == m - 1 else b_cost[u]
                 held[u] -= 1
                 targets = grad_to[u]
                 counters, posted_at = grads, grads_at

@@ -5,14 +5,19 @@
 * the link: ping-pong between ranks 0 and 1 (``dist.send`` / ``dist.recv``) at several sizes,
   fitted as one-way ``latency + bytes / bandwidth``;
 * the dp gradient all-reduce over all ranks at several sizes, fitted as a ring (``2 (n-1)``
-  steps of latency, ``2 (n-1)/n`` of the bytes over the bandwidth), and the smallest over pairs
-  of ranks, which splits its fixed cost into a part per call and the latency per ring step;
+  steps of latency, ``2 (n-1)/n`` of the bytes over the bandwidth), and the smallest over a
+  pair of ranks, which splits its fixed cost into a part per call and the latency per ring step;
 * FSDP2 per layer, with the strategy's own sharding (:func:`~lightning_mmpp.engine.sharding.shard_stage`
   over all ranks): a linear layer's forward + backward sharded without gradient sync, minus the
   same unsharded, is two all-gathers (unshard and reshard, forward and backward); with the sync
-  on, the difference is the reduce-scatter; at several parameter sizes; and the smallest over
-  pairs of ranks, which splits the fixed cost per layer into the hooks' part and a latency per
-  ring step (a stage sharded over fewer ranks than were calibrated pays fewer steps);
+  on, the difference is the reduce-scatter; at several parameter sizes; and the smallest over a
+  pair of ranks, which splits the fixed cost per layer into the hooks' part and a latency per
+  ring step (a stage sharded over fewer ranks than were calibrated pays fewer steps). The pair
+  (ranks 0 and 1) is timed alone, the other ranks waiting: as a plan's two-rank stage runs its
+  collectives beside ranks that do their own work, whose contention for a CPU host's cores the
+  planner's shared clock charges where the layers compute (:mod:`lightning_mmpp.plan.sharing`).
+  Timed with a second pair at once on a 2-core VM, a dp=2 all-gather cost 3.41 ms per layer
+  against 1.65 alone, which over-predicted a plan sharding one module over 2 of 4 ranks by 10%;
 * the optimizer step (AdamW) per parameter byte;
 * the optimizer step's extra cost per FSDP2-sharded parameter (a ``DTensor``: each of its
   operations is dispatched through the sharding rules) over a plain one of its local shard's size;
@@ -178,7 +183,7 @@ def _slowest(fn: Any, repeats: int, device: torch.device, rounds: int = 3) -> fl
     return statistics.median(results)
 
 
-def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S) -> float:
+def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S, group: Any = None) -> float:
     """Mean seconds of ``fn()`` (a collective, or a layer's step with its collectives) timed call
     by call, each after ``gap_s`` of sleep on every rank, the slowest rank's time per call; the
     slowest ``GAP_TRIM`` of the calls left out.
@@ -188,8 +193,9 @@ def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S)
     call, 0.69 ms over 2 ranks back to back and 1.58 ms after a 2 ms sleep; over 4 ranks 4.99
     and 6.47 ms (``benchmarks/collective_stalls.py --after-gaps``: a thread woken onto a busy
     core waits for the scheduler's tick). A step sums many such calls (an FSDP2 stage: three
-    per layer), so what adds up is their mean, not their median."""
-    dist.barrier()
+    per layer), so what adds up is their mean, not their median. ``group``: the ranks that time
+    ``fn`` (default: every rank)."""
+    dist.barrier(group=group)
     times = []
     for _ in range(calls):
         time.sleep(gap_s)
@@ -201,7 +207,7 @@ def _after_gaps(fn: Any, calls: int, device: torch.device, gap_s: float = GAP_S)
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     kept = sorted(slowest.tolist())[:max(1, calls - int(calls * GAP_TRIM))]
     return statistics.fmean(kept)
 
@@ -233,7 +239,7 @@ def _allreduce(device: torch.device, group: Any = None,
         buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
         dist.all_reduce(buf, group=group)
         points.append((size, _after_gaps(lambda: dist.all_reduce(buf, group=group),
-                                         GAP_CALLS if size < 2**20 else GAP_CALLS // 3, device)))
+                                         GAP_CALLS if size < 2**20 else GAP_CALLS // 3, device, group=group)))
     return points
 
 
@@ -264,9 +270,9 @@ def _fsdp(device: torch.device, group: Any = None,
             sharded_step(sync)
         step(plain)
         calls = GAP_CALLS if width < 1024 else GAP_CALLS // 3
-        t_plain = _after_gaps(lambda: step(plain), calls, device)
-        t_nosync = _after_gaps(lambda: sharded_step(False), calls, device)
-        t_sync = _after_gaps(lambda: sharded_step(True), calls, device)
+        t_plain = _after_gaps(lambda: step(plain), calls, device, group=group)
+        t_nosync = _after_gaps(lambda: sharded_step(False), calls, device, group=group)
+        t_sync = _after_gaps(lambda: sharded_step(True), calls, device, group=group)
         nbytes = width * width * 4
         points.append((nbytes, max(0.0, t_nosync - t_plain) / 2, max(0.0, t_sync - t_nosync)))
     return points
@@ -369,10 +375,12 @@ def _worker(rank: int, world: int, device: str, steps: int) -> dict[str, Any]:
         samples["allreduce"] = _allreduce(dev)
         samples["fsdp"] = _fsdp(dev)
         samples["sharded_optimizer"] = _sharded_optimizer(dev)
-        if world > 2 and world % 2 == 0:  # pairs of ranks too: a collective's fixed cost grows with its ring's steps
-            pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-            samples["allreduce_pairs"] = _allreduce(dev, pairs[rank // 2], ALLREDUCE_SIZES[:1])
-            samples["fsdp_pairs"] = _fsdp(dev, pairs[rank // 2], FSDP_WIDTHS[:1])
+        if world > 2:  # a pair of ranks too: a collective's fixed cost grows with its ring's steps
+            pair = dist.new_group([0, 1])
+            if rank < 2:  # alone: the other ranks wait (see the module docstring)
+                samples["allreduce_pairs"] = _allreduce(dev, pair, ALLREDUCE_SIZES[:1])
+                samples["fsdp_pairs"] = _fsdp(dev, pair, FSDP_WIDTHS[:1])
+            dist.barrier()
     samples["optimizer"] = _optimizer(dev)
     samples["gradient_copy"] = _gradient_copy(dev)
     samples["framework"] = _framework(world, device, steps)

@@ -849,7 +849,7 @@ class _Evaluator:
         built = planned_schedule(small, m, schedule, cost, space.no_backward)
         try:
             result = simulate(built, small, cost.forward, cost.backward, mode=SimulatorMode.OVERLAP, latency=0.0,
-                              input_cost=cost.input, weight_cost=cost.weight)
+                              input_cost=cost.input, weight_cost=cost.weight, blocking_sync_cost=cost.blocking_sync)
         except DeadlockError:
             return None
         last_backward: dict[tuple[int, str], float] = {}
@@ -878,21 +878,22 @@ class _Evaluator:
         small = self.collapsed(structure, cost.v_shape)
         chunked = schedule not in LOCKSTEP_SCHEDULES  # peaks keyed (rank, module, chunk)
         if schedule in LOCKSTEP_SCHEDULES:
-            timing = time_lockstep(small, m, schedule, cost.forward, cost.backward, space.no_backward)
+            timing = time_lockstep(small, m, schedule, cost.forward, cost.backward, space.no_backward,
+                                   cost.blocking_sync)
         else:
             timing = self._simulate_timed(small, m, schedule, cost)
             if timing is None:
                 return None
-        # a rank's step ends with its gradient sums, each started after its module's last
-        # backward there (of all its chunks) and run one after the other (colocated modules'
-        # collectives queue on the rank), then its closing work (the optimizer step, the
+        # a rank's step ends with its gradient sums (those not run inside the last backward),
+        # each started after its module's last backward there (of all its chunks) and run one
+        # after the other (colocated modules' collectives queue on the rank), then its closing work (the optimizer step, the
         # gradients' copies for their sums), which also waits for the
         # step's metrics sum: every rank's pipeline done (the engine returns from the step, and
         # Lightning steps the optimizer, only then)
         finish = list(timing.finish)
         syncs: dict[int, list[tuple[float, float]]] = {}
         for (rank, module), end in timing.last_backward.items():
-            seconds = sum(cost.stage(module, s.stage).sync_s for s in small.chunk_slots(rank, module))
+            seconds = sum(cost.stage(module, s.stage).trailing_sync_s for s in small.chunk_slots(rank, module))
             syncs.setdefault(rank, []).append((end, seconds))
         for rank, queue in syncs.items():
             done = 0.0

@@ -22,7 +22,9 @@ on the action lists of the whole layout:
   gradients' copies for their sums) need a core too, for their calibrated time: gloo moves and
   sums the bytes with the CPU (a 16 MiB all-reduce between two processes on a 2-core VM: 16 ms,
   12.5 ms of it CPU on each), beside the ranks still computing; the optimizer updates and the
-  copies run on it. On an accelerator they wait;
+  copies run on it (a sharded stage's reduce-scatters inside its last backward piece, before the
+  gradients it sends: :attr:`~lightning_mmpp.plan.costs.StageCost.sync_in_backward`). On an
+  accelerator they wait;
 * the ranks of one host are ``calibration.world_size`` consecutive ranks (the calibration ran on
   one host, as many ranks as it runs); a tp group's followers compute beside their lead, whose
   pieces count once per rank of the group.
@@ -123,7 +125,7 @@ def shared_step_seconds(profile: ModelProfile, placements: Mapping[str, ModulePl
         return Work(wait_s=wait, cpu_s=seconds - wait, ranks=cost.placements[action.module].tp)
 
     cores = float(cal.host_cores) if cal is not None and cal.host_cores > 0 else float(world)
-    syncs, finals = {}, {}
+    syncs, blocking, finals = {}, {}, {}
     for rank in range(world):
         if layout.tp_index(rank):
             continue  # a tp follower: its lead's pieces count for it
@@ -135,10 +137,15 @@ def shared_step_seconds(profile: ModelProfile, placements: Mapping[str, ModulePl
         for module in {slot.module for slot in layout.slots(rank)}:
             if module in no_backward:
                 continue
-            syncs[(rank, module)] = piece(sum(cost.stage(module, s.stage).sync_s
-                                              for s in layout.chunk_slots(rank, module)))
+            stages = [cost.stage(module, s.stage) for s in layout.chunk_slots(rank, module)]
+            trailing = sum(st.trailing_sync_s for st in stages)
+            inside = sum(st.blocking_sync_s for st in stages)
+            if trailing:
+                syncs[(rank, module)] = piece(trailing)
+            if inside:
+                blocking[(rank, module)] = piece(inside)
         finals[rank] = piece(sum(cost.stage(s.module, s.stage).closing_s for s in layout.slots(rank)))
-    timing = simulate_shared(built, layout, work, cores, ranks_per_host(profile, world), syncs, finals)
+    timing = simulate_shared(built, layout, work, cores, ranks_per_host(profile, world), syncs, finals, blocking)
     return timing.step_time + step_overhead_seconds(profile, world, in_lockstep(placements, world))
 
 
