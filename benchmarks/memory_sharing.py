@@ -20,10 +20,10 @@ import multiprocessing as mp
 import time
 from typing import Any
 
+import torch  # imported before forking: the workers start in a fraction of the time
+
 
 def _work(rows: int, width: int, iters: int, results: Any, start: Any) -> None:
-    import torch
-
     torch.set_num_threads(1)
     x = torch.randn(rows, width, requires_grad=True)
     scale = torch.ones(width, requires_grad=True)
@@ -45,8 +45,6 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 3, 4])
     args = parser.parse_args()
-    import torch  # noqa: F401  (imported before forking: the workers start in a fraction of the time)
-
     ctx = mp.get_context("fork")
     print(f"x * scale + mean, forward + backward on {args.rows} x {args.width} fp32, {args.iters} passes per process")
     for procs in args.procs:
