@@ -8,7 +8,8 @@ import resource
 import pytest
 import torch
 
-from lightning_mmpp.engine.host_memory import KeptHostMemory, _glibc
+from lightning_mmpp.engine.host_memory import (GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD,
+                                                 KeptHostMemory, _glibc)
 
 pytestmark = pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt only")
 
@@ -34,6 +35,11 @@ def _resident_bytes() -> int:
 
 
 def _faults_as_found_kept_released(queue) -> None:
+    # glibc's starting thresholds (128 KiB), as a fresh process has them: this test's process
+    # may have grown them already by what it freed before (glibc raises them up to 32 / 64 MiB)
+    libc = _glibc()
+    libc.mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
     memory = KeptHostMemory()
     found = _step_faults()
     kept = memory.keep()
@@ -51,11 +57,16 @@ def test_kept_host_memory_takes_no_page_faults_and_release_hands_memory_back():
     queue = ctx.Queue()
     child = ctx.Process(target=_faults_as_found_kept_released, args=(queue,))
     child.start()
-    found, kept, again, faults_kept, released, still_kept = queue.get(timeout=50)
-    child.join(10)
-    # 10 rounds of 32 MiB are 81,920 pages: as glibc was, most of them fault again each round
+    try:
+        found, kept, again, faults_kept, released, still_kept = queue.get(timeout=50)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    # 10 rounds of 32 MiB are 81,920 pages: at glibc's starting thresholds every 4 MiB block is
+    # mapped when allocated and unmapped when freed, so they fault again
     assert kept and not again and not still_kept
-    assert found > 10_000, found
+    assert found > 20_000, found  # (fewer where free blocks of the parent's heap serve some rounds)
     assert faults_kept < found / 20, (faults_kept, found)
     assert released > 16 * 2**20, released  # the kept free memory goes back to the operating system
 
