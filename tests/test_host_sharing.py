@@ -127,7 +127,8 @@ def test_a_blocking_sync_delays_the_gradients_its_piece_sends_a_trailing_one_doe
         seconds = forward(action.module, stage) if action.phase is Phase.FORWARD else backward(action.module, stage)
         return Work(0.0, seconds)
 
-    shared = simulate_shared(schedule, layout, work, cores=4, ranks_per_host=4, blocking_syncs={(c0, "c"): Work(0.0, 3.0)})
+    shared = simulate_shared(schedule, layout, work, cores=4, ranks_per_host=4,
+                             blocking_syncs={(c0, "c"): Work(0.0, 3.0)})
     assert shared.step_time == pytest.approx(inside.step_time)
     trailing = simulate_shared(schedule, layout, work, cores=4, ranks_per_host=4, syncs={(c0, "c"): Work(0.0, 3.0)})
     assert trailing.step_time == pytest.approx(plain.step_time)

@@ -7,11 +7,11 @@ top of the heap beyond its trim threshold is trimmed. Both thresholds start at 1
 with what the process frees, but a step that frees tens of megabytes at once still trims most of
 it. The next step then touches fresh pages and takes a page fault per 4 KiB page. On the 2-core
 VM of ``benchmarks/README.md``, 20 rounds of eight 4 MiB tensors allocated and freed took 17,373
-minor faults as glibc was, and none with :class:`KeptHostMemory` on. In a plan whose layers
-stream 2 MiB activations (held-out seed 4, model 0), ``Trainer.fit`` stepped in 87-100 ms as
-glibc was and in 79-80 ms with both thresholds raised. Its predicted step was 74-84 ms: the
-planner's profile times each layer in a loop that reuses the same blocks, and takes no faults
-either.
+minor faults as glibc was, and none with :class:`KeptHostMemory` on. A 4-rank plan whose
+layers stream 2 MiB activations (``bench_plan.py``'s held-out seed 4, model 0) stepped through
+``Trainer.fit`` at 1.146 and 1.194x its predicted step as glibc was and at 0.999 and 1.063x with
+both thresholds raised, in alternating runs: the planner's profile times each layer in a loop
+that reuses the same blocks, so it took no faults either.
 
 :class:`KeptHostMemory` raises both (glibc's ``mallopt``: ``M_MMAP_THRESHOLD`` to 32 MiB, its
 largest on a 64-bit system, and ``M_TRIM_THRESHOLD`` to 1 GiB), so blocks up to 32 MiB come from
@@ -63,7 +63,8 @@ class KeptHostMemory:
         libc = _glibc()
         if libc is None:
             return False
-        if not (libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD)):
+        mapped = libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD)
+        if not (mapped and libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD)):
             return False
         self.kept = True
         return True

@@ -91,9 +91,9 @@ class MultiModulePipelineStrategy(PipelineCheckpointing, PipelineWorld, Parallel
         keep_host_memory: on a CPU device, when training starts, have glibc's ``malloc`` keep
             the memory a step frees (blocks up to 32 MiB, the heap's free top) for the next step
             instead of handing it back to the operating system, so the next step's activations
-            take no page faults (a plan streaming 2 MiB activations: 87-100 ms per step as glibc
-            was, 79-80 ms kept, and the planner's profile, which reuses its blocks, predicts the
-            kept step); set back at teardown. Resident memory then stays near its peak between
+            take no page faults (a plan streaming 2 MiB activations stepped at 1.146-1.194x its
+            predicted step as glibc was, at 1.016-1.079x kept: the planner's profile reuses its
+            blocks); set back at teardown. Resident memory then stays near its peak between
             steps. See :mod:`lightning_mmpp.engine.host_memory`. ``False``: leave the allocator
             as it is.
 

@@ -886,10 +886,10 @@ class _Evaluator:
                 return None
         # a rank's step ends with its gradient sums (those not run inside the last backward),
         # each started after its module's last backward there (of all its chunks) and run one
-        # after the other (colocated modules' collectives queue on the rank), then its closing work (the optimizer step, the
-        # gradients' copies for their sums), which also waits for the
-        # step's metrics sum: every rank's pipeline done (the engine returns from the step, and
-        # Lightning steps the optimizer, only then)
+        # after the other (colocated modules' collectives queue on the rank), then its closing
+        # work (the optimizer step, the gradients' copies for their sums), which also waits for
+        # the step's metrics sum: every rank's pipeline done (the engine returns from the step,
+        # and Lightning steps the optimizer, only then)
         finish = list(timing.finish)
         syncs: dict[int, list[tuple[float, float]]] = {}
         for (rank, module), end in timing.last_backward.items():
