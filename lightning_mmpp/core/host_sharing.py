@@ -186,11 +186,12 @@ def simulate_shared(
                     sync_lane(rank)
 
             key = (rank, action.module)
-            if last_backward.get(key) == i and key in blocking_syncs:
-                start(rank, work(rank, action, slot.stage),
-                      lambda t, key=key, done=computed: start(key[0], blocking_syncs[key], done))
-            else:
+            inside = blocking_syncs.get(key) if last_backward.get(key) == i else None
+            if inside is None:
                 start(rank, work(rank, action, slot.stage), computed)
+            else:  # the piece's own work, then the sum inside it, then it is done
+                start(rank, work(rank, action, slot.stage),
+                      lambda t, rank=rank, inside=inside, done=computed: start(rank, inside, done))
             return True
         if not state.busy and state.actions_end is None and state.pc == len(actions[rank]):
             state.actions_end = now
